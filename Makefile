@@ -1,0 +1,22 @@
+# `make test` and `make up` are the two commands; both create .venv and install .[dev] once.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: test up install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+up: $(STAMP)
+	$(VENV)/bin/deepinfer up $(UP_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
