@@ -1,0 +1,183 @@
+"""The prefix index: block hash -> location, in Redis (or Redis Cluster).
+
+Key layout (prefix `p`, root = hex of block 0's hash of the chain):
+  p:{root}:b:<16-byte hash>  -> BlockLocation.encode()              TTL = its segment's
+  p:{root}:s:<segment id>    -> hash {hashes, volume, tenant, ttl}   TTL = retention TTL
+All keys of one chain share the hash tag {root}, so a lookup is ONE script call on one shard,
+in a single Redis and in a cluster alike, and different prompts spread over shards.
+Retention is per segment: a block entry counts only while its segment record lives, and a hit
+re-arms the segment's TTL (and its blocks') once more than half of it has run down, so a
+lookup costs one MGET plus a few calls per segment instead of one EXPIRE per block.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+import redis.asyncio as redis
+
+from .hashing import HASH_BYTES
+from .location import BlockLocation, Hit, SegmentRun, miss
+
+log = logging.getLogger(__name__)
+
+_LOOKUP_LUA = """
+local prefix, blob = KEYS[1], ARGV[1]
+local n = #blob / 16
+local keys, vals = {}, {}
+for i = 0, n - 1 do keys[i + 1] = prefix .. 'b:' .. string.sub(blob, i * 16 + 1, i * 16 + 16) end
+for s = 1, n, 1000 do  -- unpack() has a stack limit
+  local part = redis.call('MGET', unpack(keys, s, math.min(s + 999, n)))
+  for j = 1, #part do vals[#vals + 1] = part[j] end
+end
+local out, alive, run_first, run_count, prev_seg, prev_ord = {}, {}, nil, 0, nil, -1
+for i = 1, n do
+  local v = vals[i]
+  if not v then break end
+  local seg = string.sub(v, 18, 49)
+  local ord = tonumber(string.sub(v, 51, 56))
+  local ok = alive[seg]
+  if ok == nil then
+    local skey = prefix .. 's:' .. seg
+    local ttl = tonumber(redis.call('HGET', skey, 'ttl'))
+    ok = ttl ~= nil
+    if ok and redis.call('TTL', skey) < ttl / 2 then
+      redis.call('EXPIRE', skey, ttl)
+      local hs = redis.call('HGET', skey, 'hashes') or ''
+      for j = 0, #hs / 16 - 1 do
+        redis.call('EXPIRE', prefix .. 'b:' .. string.sub(hs, j * 16 + 1, j * 16 + 16), ttl)
+      end
+    end
+    alive[seg] = ok
+  end
+  if not ok then break end
+  if seg == prev_seg and ord == prev_ord + 1 then
+    run_count = run_count + 1
+  else
+    if run_first then out[#out + 1] = run_first .. '|' .. run_count end
+    run_first, run_count = v, 1
+  end
+  prev_seg, prev_ord = seg, ord
+end
+if run_first then out[#out + 1] = run_first .. '|' .. run_count end
+return table.concat(out, '\\n')
+"""
+# Each returned line is one run: the run's first block entry plus "|<count>".
+
+# Delete the block entries of ARGV[1] (concatenated hashes) that still point at segment ARGV[2];
+# with ARGV[3] == '1' also the segment record.
+_UNPUBLISH_LUA = """
+local prefix, blob, seg = KEYS[1], ARGV[1], '|' .. ARGV[2] .. '|'
+local n = 0
+for i = 0, #blob / 16 - 1 do
+  local key = prefix .. 'b:' .. string.sub(blob, i * 16 + 1, i * 16 + 16)
+  local v = redis.call('GET', key)
+  if v and string.find(v, seg, 1, true) then redis.call('DEL', key); n = n + 1 end
+end
+if ARGV[3] == '1' then redis.call('DEL', prefix .. 's:' .. ARGV[2]) end
+return n
+"""
+
+
+def open_redis(url: str, cluster: bool = False) -> redis.Redis | redis.RedisCluster:
+    """A redis.asyncio client; `cluster=True` for Redis Cluster (any node's URL)."""
+    if cluster:
+        return redis.RedisCluster.from_url(url)
+    return redis.Redis.from_url(url)
+
+
+class PrefixIndex:
+    """Block hash -> BlockLocation, with retention TTLs refreshed on every hit.
+
+    Invariants: publish() is called only after the segment's bytes are durable; an entry is
+    removed only if it still points at the segment being removed (a newer save of the same
+    block is never deleted by an older segment's eviction).
+    """
+
+    def __init__(self, client: redis.Redis | redis.RedisCluster, prefix: str = "dikv") -> None:
+        if any(c in prefix for c in "{}"):
+            raise ValueError(f"prefix must not contain braces, got {prefix!r}")
+        self.redis = client
+        self.prefix = prefix
+        self._lookup = client.register_script(_LOOKUP_LUA)
+        self._unpublish = client.register_script(_UNPUBLISH_LUA)
+
+    def _chain(self, root: bytes) -> str:
+        return f"{self.prefix}:{{{root.hex()}}}:"
+
+    def segment_key(self, root: bytes, segment: str) -> str:
+        return f"{self._chain(root)}s:{segment}"
+
+    async def lookup(self, hashes: Sequence[bytes]) -> Hit:
+        """Longest leading run of `hashes` (a prompt's chain from block 0) present in the index."""
+        if not hashes:
+            return miss()
+        root = hashes[0]
+        raw = await self._lookup(keys=[self._chain(root)], args=[b"".join(hashes)])
+        if not raw:
+            return miss(root)
+        runs, blocks = [], 0
+        for entry in raw.split(b"\n"):
+            try:
+                run = SegmentRun.decode(entry)
+            except ValueError:
+                log.warning("malformed index entry %r under root %s", entry[:120], root.hex())
+                await self.drop(root, hashes[blocks], None)
+                break
+            runs.append(run)
+            blocks += run.count
+        return Hit(root, tuple(hashes[:blocks]), tuple(runs))
+
+    async def publish(self, root: bytes, hashes: Sequence[bytes], locations: Sequence[BlockLocation],
+                      tenant: str, ttl_s: int) -> None:
+        """Make blocks findable for `ttl_s` seconds after the last hit.
+
+        All `locations` are in one segment whose bytes are already durable.
+        """
+        if len(hashes) != len(locations) or not hashes:
+            raise ValueError("publish needs one location per hash, at least one")
+        if any(len(h) != HASH_BYTES for h in hashes):
+            raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
+        if len({loc.segment for loc in locations}) != 1:
+            raise ValueError("publish takes the blocks of one segment")
+        first = locations[0]
+        seg_key = self.segment_key(root, first.segment)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(seg_key, mapping={"hashes": b"".join(hashes), "volume": first.volume,
+                                    "tenant": tenant, "ttl": ttl_s})
+        pipe.expire(seg_key, ttl_s)
+        chain = self._chain(root).encode()
+        for h, loc in zip(hashes, locations):
+            pipe.set(chain + b"b:" + h, loc.encode(), ex=ttl_s)
+        await pipe.execute()
+
+    async def drop(self, root: bytes, block_hash: bytes, segment: str | None) -> None:
+        """Remove one (bad) entry; with `segment`, only if it still points into that segment."""
+        key = self._chain(root).encode() + b"b:" + block_hash
+        if segment is None:
+            await self.redis.delete(key)
+        else:
+            await self._unpublish(keys=[self._chain(root)], args=[block_hash, segment, "0"])
+
+    async def unpublish_segment(self, root: bytes, segment: str) -> int:
+        """Remove every entry still pointing into `segment`, and its record. Returns entries removed."""
+        hashes = await self.redis.hget(self.segment_key(root, segment), "hashes")
+        if not hashes:
+            return 0
+        return int(await self._unpublish(keys=[self._chain(root)], args=[hashes, segment, "1"]))
+
+    async def segment_alive(self, pairs: Sequence[tuple[bytes, str]]) -> list[bool]:
+        """Whether each (root, segment) record still exists (has not expired)."""
+        if not pairs:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for root, segment in pairs:
+            pipe.exists(self.segment_key(root, segment))
+        return [bool(n) for n in await pipe.execute()]
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.redis.ping(), timeout=2.0))
+        except Exception:  # readiness probe: any failure means "not ready"
+            return False

