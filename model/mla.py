@@ -1,0 +1,104 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) reading the latent cache in its stored form.
+
+Axes: T query tokens of this chunk, S key positions (the cache view), N heads, D hidden,
+C kv_lora_rank (c_kv dims), R qk_rope_head_dim (k_pe dims), A = C + R (cached latent dims),
+H qk_nope_head_dim, V v_head_dim.
+
+The cache holds, per layer and position, `c_kv` after the latent RMSNorm and `k_pe` after RoPE, at
+cache precision. The current chunk's latents are written to the cache first and then read back from
+it, so a prefix loaded from disk and a prefix computed a chunk earlier look the same to attention.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.config import ModelConfig
+from model.layers import Linear, RMSNorm, normal_param
+from model.rope import apply_rope, rope_tables, softmax_scale
+
+
+def prefer_absorbed(cfg: ModelConfig, T: int, S: int) -> bool:
+    """Absorbed (W_UK into q, W_UV after attention) costs ~T*S*(2C+R) + T*C*(H+V) multiply-adds per head;
+    expanded (K and V materialised from c_kv) costs ~S*C*(H+V) + T*S*(H+R+V). Short chunks over long
+    prefixes (decode, a short suffix after a hit) favour absorbed; long prefill chunks favour expanded."""
+    C, R, H, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    absorbed = T * S * (2 * C + R) + T * C * (H + V)
+    expanded = S * C * (H + V) + T * S * (H + R + V)
+    return absorbed < expanded
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, C = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+        dtype = cfg.param_dtype
+        self.num_heads, self.kv_lora_rank = N, C
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.cache_dtype = cfg.cache_dtype
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, rngs)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, dtype, rngs)
+        else:
+            self.q_proj = Linear(D, N * cfg.qk_head_dim, dtype, rngs)
+        self.kv_a_proj = Linear(D, C + cfg.qk_rope_head_dim, dtype, rngs)
+        self.kv_a_norm = RMSNorm(C, cfg.rms_norm_eps, dtype)
+        # kv_b split by what it produces: W_UK (C, N, H) -> k_nope, W_UV (C, N, V) -> values.
+        self.w_uk = normal_param(rngs, (C, N, cfg.qk_nope_head_dim), dtype)
+        self.w_uv = normal_param(rngs, (C, N, cfg.v_head_dim), dtype)
+        self.o_proj = Linear(N * cfg.v_head_dim, D, dtype, rngs)
+        inv_freq, self.rope_scaling = rope_tables(cfg)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph definition
+        self.scale = softmax_scale(cfg)
+
+    def _rope(self, x_TNR: jax.Array, positions_T: jax.Array) -> jax.Array:
+        return apply_rope(x_TNR, positions_T, np.asarray(self.inv_freq, np.float32), self.rope_scaling)
+
+    def latents(self, x_TD: jax.Array, positions_T: jax.Array) -> jax.Array:
+        """The cache entries of these tokens: (T, A) = [norm(c_kv) | rope(k_pe)] in cache dtype."""
+        ckv_TX = self.kv_a_proj(x_TD)  # (T, C + R)
+        c_TC = self.kv_a_norm(ckv_TX[:, : self.kv_lora_rank])
+        kpe_TR = self._rope(ckv_TX[:, None, self.kv_lora_rank:], positions_T)[:, 0]
+        return jnp.concatenate([c_TC, kpe_TR], axis=-1).astype(self.cache_dtype)
+
+    def __call__(self, x_TD: jax.Array, positions_T: jax.Array, cache_SA: jax.Array, start: jax.Array,
+                 view: int, absorbed: bool) -> tuple[jax.Array, jax.Array]:
+        """Attends chunk x (absolute positions `positions_T`, starting at `start`) over cache[:view].
+
+        Writes the chunk's latents into cache at [start, start+T) first; returns (out_TD, cache_SA).
+        Keys at positions > a query's position are masked, which also hides padding and stale rows.
+        """
+        T, N = x_TD.shape[0], self.num_heads
+        if hasattr(self, "q_proj"):
+            q_TX = self.q_proj(x_TD)
+        else:
+            q_TX = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TD)))
+        q_TNK = q_TX.reshape(T, N, self.nope_dim + self.rope_dim)
+        q_nope_TNH = q_TNK[..., : self.nope_dim]
+        q_pe_TNR = self._rope(q_TNK[..., self.nope_dim:], positions_T)
+
+        cache_SA = jax.lax.dynamic_update_slice(cache_SA, self.latents(x_TD, positions_T), (start, 0))
+        kv_SA = cache_SA[:view].astype(x_TD.dtype)  # attention reads the latents at cache precision
+        c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
+        w_uk, w_uv = self.w_uk[...], self.w_uv[...]
+
+        rope_scores_TNS = jnp.einsum("tnr,sr->tns", q_pe_TNR, kpe_SR)
+        if absorbed:
+            q_lat_TNC = jnp.einsum("tnh,cnh->tnc", q_nope_TNH, w_uk)
+            scores_TNS = jnp.einsum("tnc,sc->tns", q_lat_TNC, c_SC) + rope_scores_TNS
+        else:
+            k_nope_SNH = jnp.einsum("sc,cnh->snh", c_SC, w_uk)
+            scores_TNS = jnp.einsum("tnh,snh->tns", q_nope_TNH, k_nope_SNH) + rope_scores_TNS
+        key_pos_S = jnp.arange(view)
+        causal_T1S = (key_pos_S[None, :] <= positions_T[:, None])[:, None, :]
+        scores_TNS = jnp.where(causal_T1S, scores_TNS.astype(jnp.float32) * self.scale, -jnp.inf)
+        probs_TNS = jax.nn.softmax(scores_TNS, axis=-1).astype(x_TD.dtype)
+        if absorbed:
+            out_lat_TNC = jnp.einsum("tns,sc->tnc", probs_TNS, c_SC)
+            out_TNV = jnp.einsum("tnc,cnv->tnv", out_lat_TNC, w_uv)
+        else:
+            v_SNV = jnp.einsum("sc,cnv->snv", c_SC, w_uv)
+            out_TNV = jnp.einsum("tns,snv->tnv", probs_TNS, v_SNV)
+        return self.o_proj(out_TNV.reshape(T, N * self.v_dim)), cache_SA

@@ -1,0 +1,199 @@
+"""Runs the model over a latent cache: chunked prefill (on top of cached prefix latents), layer by layer.
+
+Shapes never follow the prompt length: chunks are padded to power-of-two token buckets, cache buffers
+grow in powers of two, and attention reads a power-of-two view of the cache, so every prompt length
+reuses a handful of compiled layer functions (also kept in the persistent compilation cache).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.config import ModelConfig
+from model.mla import prefer_absorbed
+from model.sampling import Sampler, SamplingParams
+from model.transformer import DeepseekModel
+
+MIN_VIEW = 256  # tokens: the smallest cache view / buffer
+MIN_CHUNK = 16  # tokens: the smallest padded chunk (a single decode token is its own bucket)
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+    path = path or os.environ.get("DEEPINFER_JAX_CACHE", os.path.expanduser("~/.cache/deepinfer/jax"))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@jax.jit
+def _embed(embed_VD: jax.Array, tokens_T: jax.Array) -> jax.Array:
+    return jnp.take(embed_VD, tokens_T, axis=0)
+
+
+@partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(3,))
+def _layer_step(graphdef, state, x_TD, cache_SA, start, view, absorbed):
+    layer = nnx.merge(graphdef, state)
+    positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
+    return layer(x_TD, positions_T, cache_SA, start, view, absorbed)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _head(graphdef, state, x_TD, index):
+    return nnx.merge(graphdef, state)(x_TD, index)
+
+
+@partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
+def _grow(cache_SA: jax.Array, capacity: int) -> jax.Array:
+    return jnp.pad(cache_SA, ((0, capacity - cache_SA.shape[0]), (0, 0)))
+
+
+@jax.jit
+def _place(cache_SA: jax.Array, latents_PA: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice(cache_SA, latents_PA.astype(cache_SA.dtype), (0, 0))
+
+
+class LatentCache:
+    """Per-layer latent buffers (capacity, A) in cache dtype; rows [0, length) are valid."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int = MIN_VIEW):
+        self.cfg = cfg
+        self.capacity = _pow2(max(capacity, MIN_VIEW))
+        self.layers = [jnp.zeros((self.capacity, cfg.latent_dim), cfg.cache_dtype) for _ in range(cfg.num_layers)]
+        self.length = 0
+
+    def reserve(self, tokens: int) -> None:
+        if tokens > self.capacity:
+            self.capacity = _pow2(tokens)
+            self.layers = [_grow(buf, self.capacity) for buf in self.layers]
+
+    def place_prefix(self, layer: int, latents_PA: np.ndarray | jax.Array) -> None:
+        """Loads a prefix's latents (P, A) for one layer into rows [0, P)."""
+        if latents_PA.shape[1:] != (self.cfg.latent_dim,):
+            raise ValueError(f"prefix latents must be (P, {self.cfg.latent_dim}), got {latents_PA.shape}")
+        self.reserve(latents_PA.shape[0])
+        self.layers[layer] = _place(self.layers[layer], jnp.asarray(latents_PA))
+
+    def latents(self, layer: int, begin: int, end: int) -> np.ndarray:
+        """Rows [begin, end) of one layer as a host array (P, A) in cache dtype (for saving)."""
+        if not 0 <= begin <= end <= self.length:
+            raise ValueError(f"latent rows [{begin}, {end}) outside the valid [0, {self.length})")
+        return np.asarray(self.layers[layer][begin:end])
+
+
+class Prefill(NamedTuple):
+    logits: np.ndarray  # (V,) float32 at the last prompt position
+    cache: LatentCache
+
+
+LayerLoader = Callable[[int], "np.ndarray | jax.Array"]  # layer -> prefix latents (P, A); may block on disk
+
+
+class ModelRunner:
+    """Owns a model's weights split per layer; all compute goes through a few jitted functions."""
+
+    def __init__(self, model: DeepseekModel, cfg: ModelConfig, chunk_tokens: int = 512,
+                 attention: str = "auto", attention_budget_bytes: int = 512 << 20):
+        if attention not in ("auto", "absorbed", "expanded"):
+            raise ValueError(f"attention must be auto, absorbed or expanded, got {attention!r}")
+        self.cfg = cfg
+        self.chunk_tokens = _pow2(chunk_tokens)
+        self.attention = attention
+        self.attention_budget_bytes = attention_budget_bytes
+        self.embed_VD = model.embed[...]
+        self.layers = [nnx.split(layer) for layer in model.layers]
+        self.head = nnx.split(model.head)
+
+    # -- building blocks, one layer at a time (the engine interleaves disk reads with these) --
+
+    def check_tokens(self, tokens: np.ndarray, start: int, extra: int = 0) -> None:
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("tokens must be a non-empty 1-D sequence")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+            bad = int(tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)][0])
+            raise ValueError(f"token id {bad} out of range [0, {self.cfg.vocab_size})")
+        if start + tokens.size + extra > self.cfg.max_context:
+            raise ValueError(f"prompt of {start + tokens.size} tokens (+{extra} to generate) exceeds the "
+                             f"context length {self.cfg.max_context}")
+
+    def chunk_size(self, total: int) -> int:
+        """Largest power-of-two chunk whose fp32 attention scores (T, N, view) fit the budget."""
+        view = _pow2(max(total, MIN_VIEW))
+        per_token = self.cfg.num_heads * view * 4 * 3  # scores, exp, probs
+        fit = max(MIN_CHUNK, self.attention_budget_bytes // per_token)
+        return min(self.chunk_tokens, 1 << (fit.bit_length() - 1))
+
+    def embed(self, tokens_T: np.ndarray) -> jax.Array:
+        return _embed(self.embed_VD, jnp.asarray(tokens_T, jnp.int32))
+
+    def layer(self, layer: int, x_TD: jax.Array, cache: LatentCache, start: int) -> jax.Array:
+        T = x_TD.shape[0]
+        view = min(cache.capacity, _pow2(max(start + T, MIN_VIEW)))
+        absorbed = (prefer_absorbed(self.cfg, T, view) if self.attention == "auto"
+                    else self.attention == "absorbed")
+        graphdef, state = self.layers[layer]
+        x_TD, cache.layers[layer] = _layer_step(graphdef, state, x_TD, cache.layers[layer],
+                                                jnp.int32(start), view, absorbed)
+        return x_TD
+
+    def logits(self, x_TD: jax.Array, index: int) -> jax.Array:
+        graphdef, state = self.head
+        return _head(graphdef, state, x_TD, jnp.int32(index))
+
+    # -- whole passes --
+
+    def prefill(self, tokens: np.ndarray | list[int], cache: LatentCache | None = None, start: int = 0,
+                load_prefix: LayerLoader | None = None, chunk_tokens: int | None = None,
+                reserve: int = 0) -> Prefill:
+        """Computes tokens at positions [start, start+n) over a cache whose rows [0, start) are the prefix.
+
+        load_prefix(l), when given, supplies layer l's prefix latents (start, A) just before layer l of
+        the first chunk runs, so reading layer l+1 from disk overlaps computing layer l.
+        """
+        tokens = np.asarray(tokens, np.int64)
+        self.check_tokens(tokens, start, reserve)
+        n = tokens.size
+        cache = cache or LatentCache(self.cfg)
+        chunk = _pow2(chunk_tokens) if chunk_tokens else self.chunk_size(start + n)
+        last_T = min(chunk, _pow2(max(n, MIN_CHUNK)))
+        cache.reserve(start + n + last_T + reserve)  # room for the padded tail chunk
+        x_TD, done = None, 0
+        while done < n:
+            piece = tokens[done: done + chunk]
+            T = 1 if piece.size == 1 else min(chunk, _pow2(max(piece.size, MIN_CHUNK)))
+            x_TD = self.embed(np.pad(piece, (0, T - piece.size)))
+            pos = start + done
+            for layer in range(self.cfg.num_layers):
+                if load_prefix is not None and done == 0:
+                    cache.place_prefix(layer, load_prefix(layer))
+                x_TD = self.layer(layer, x_TD, cache, pos)
+            done += piece.size
+            cache.length = start + done
+        return Prefill(np.asarray(self.logits(x_TD, piece.size - 1)), cache)
+
+    def decode_step(self, token: int, cache: LatentCache) -> np.ndarray:
+        return self.prefill([token], cache, start=cache.length).logits
+
+    def generate(self, prompt: np.ndarray | list[int], params: SamplingParams, cache: LatentCache | None = None,
+                 start: int = 0, load_prefix: LayerLoader | None = None) -> Iterator[int]:
+        """Yields generated token ids; stops after a stop token (which is yielded) or max_tokens."""
+        prompt = np.asarray(prompt, np.int64)
+        self.check_tokens(prompt, start, params.max_tokens)
+        result = self.prefill(prompt, cache, start, load_prefix, reserve=params.max_tokens)
+        sampler, cache = Sampler(params), result.cache
+        token = sampler(result.logits)
+        for produced in range(1, params.max_tokens + 1):
+            yield token
+            if token in params.stop_token_ids or produced == params.max_tokens:
+                return
+            token = sampler(self.decode_step(token, cache))

@@ -1,0 +1,103 @@
+"""Weights on disk: deterministic random init per preset, orbax save/restore, digest and fingerprint.
+
+A model directory holds `config.json` (ModelConfig), `meta.json` (weights digest, fingerprint, parameter
+shapes) and `params/` (an orbax checkpoint of the parameter tree).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from model.config import ModelConfig
+from model.transformer import DeepseekModel
+
+
+class LoadedModel(NamedTuple):
+    model: DeepseekModel
+    config: ModelConfig
+    fingerprint: str
+    weights_digest: str
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, jax.Array]:
+    out: dict[str, jax.Array] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            out.update(_flat(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def weights_digest(model: DeepseekModel) -> str:
+    """sha256 over every parameter's name, shape, dtype and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, value in sorted(_flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()):
+        array = np.asarray(value)
+        digest.update(f"{name}:{array.shape}:{array.dtype}".encode())
+        digest.update(np.ascontiguousarray(array).view(np.uint8).tobytes())
+    return digest.hexdigest()
+
+
+def init_model(cfg: ModelConfig, progress: bool = False) -> DeepseekModel:
+    """Deterministic random weights: the same preset and seed give the same bytes everywhere."""
+    bar = tqdm(total=cfg.num_layers, desc=f"init {cfg.name}", unit="layer", disable=not progress)
+    model = DeepseekModel(cfg, nnx.Rngs(params=cfg.init_seed), on_layer=lambda _: bar.update())
+    bar.close()
+    return model
+
+
+def save_model(model: DeepseekModel, cfg: ModelConfig, out: str | os.PathLike) -> LoadedModel:
+    out = Path(out).absolute()
+    if (out / "params").exists():
+        raise FileExistsError(f"{out} already holds a model; choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    digest = weights_digest(model)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out / "params", params)
+    shapes = {name: list(np.shape(v)) for name, v in _flat(params).items()}
+    fingerprint = cfg.fingerprint(digest)
+    (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
+    (out / "meta.json").write_text(json.dumps({"weights_digest": digest, "fingerprint": fingerprint,
+                                               "shapes": shapes}, indent=2))
+    return LoadedModel(model, cfg, fingerprint, digest)
+
+
+def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
+    """Restores a saved model; a missing or misshapen tensor fails naming the tensor."""
+    path = Path(path).absolute()
+    for needed in ("config.json", "meta.json", "params"):
+        if not (path / needed).exists():
+            raise FileNotFoundError(f"{path} is not a DeepInfer model directory: {needed} is missing")
+    saved_cfg = ModelConfig.from_json(json.loads((path / "config.json").read_text()))
+    cfg = saved_cfg.replace(**overrides) if overrides else saved_cfg
+    meta = json.loads((path / "meta.json").read_text())
+    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    expected = {name: tuple(v.shape) for name, v in _flat(target).items()}
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = {name: tuple(m.shape) for name, m in _flat(checkpointer.metadata(path / "params").item_metadata.tree).items()}
+        for name, shape in expected.items():
+            if name not in stored:
+                raise ValueError(f"checkpoint {path}: tensor {name} is missing")
+            if stored[name] != shape:
+                raise ValueError(f"checkpoint {path}: tensor {name} has shape {stored[name]}, expected {shape}")
+        restored = checkpointer.restore(path / "params", target)
+    nnx.replace_by_pure_dict(state, restored)
+    model = nnx.merge(graphdef, state)
+    digest = meta["weights_digest"]
+    if cfg.param_dtype != saved_cfg.param_dtype:
+        digest = weights_digest(model)
+    return LoadedModel(model, cfg, cfg.fingerprint(digest), digest)
