@@ -189,9 +189,13 @@ def _generation(summary: str, request: str, response: str) -> dict:
     }}
 
 
-def _plain(summary: str, content_type: str = "application/json", *, admin: bool = False) -> dict:
+def _plain(summary: str, content_type: str = "application/json", *, admin: bool = False,
+           not_ready: bool = False) -> dict:
     operation = {"summary": summary, "security": [],
                  "responses": {"200": {"description": "OK", "content": {content_type: {}}}}}
+    if not_ready:
+        operation["responses"]["503"] = {"description": "Not ready",
+                                         "content": {content_type: {}}}
     if admin:
         operation["security"] = [{"bearer": []}]
         operation["responses"]["401"] = _error("Missing or wrong admin token.")
@@ -212,7 +216,7 @@ def openapi_document(vocab_size: int, server_url: str | None = None) -> dict:
                                        "application/json": {"schema": _ref("ModelList")}}},
                                                  "401": _ERRORS["401"]}}},
             "/healthz": _plain("Alive", "text/plain"),
-            "/readyz": _plain("Ready when at least one engine answers"),
+            "/readyz": _plain("Ready when at least one engine answers", not_ready=True),
             "/metrics": _plain("Prometheus metrics", "text/plain"),
             "/openapi.json": _plain("This document"),
             "/admin/stats": _plain("Engines, token cache and prefix lookup counters", admin=True),

@@ -1,0 +1,109 @@
+"""The gateway's aiohttp application: routes, OpenAI-format errors, health and admin."""
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
+from services.gateway.config import GatewayConfig
+from services.gateway.gateway_state import GatewayState
+from services.gateway.openai_errors import OpenAIError
+from services.gateway.openai_responses import models_list
+from services.gateway.openapi_document import openapi_document
+from services.gateway.tenants import admin_allowed
+from services.gateway.tokenizer import DeepSeekTokenizer
+
+log = logging.getLogger(__name__)
+
+_HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def openai_error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as {"error": {...}}; every answer is counted by route and status."""
+    request[ARRIVED] = time.monotonic()
+    try:
+        response = await handler(request)
+    except OpenAIError as error:
+        response = error.response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        response = OpenAIError(error.text or error.reason, code=_HTTP_ERROR_CODES.get(error.status),
+                               status=error.status).response()
+    except Exception:  # a bug or an unexpected failure: logged with context, never a stack trace
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = OpenAIError("The server had an error while processing your request.",
+                               code="internal_error", status=500,
+                               error_type="server_error").response()
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    request.app[STATE].metrics.requests.labels(endpoint, str(response.status)).inc()
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.tenants.tenant_for(request.headers.get("Authorization"))
+    return web.json_response(models_list(state.config.served_model, state.started_at))
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when an engine can take requests; the prefix index is reported but not required."""
+    state = request.app[STATE]
+    ready_engines = len(state.pool.ranked())
+    body = {"ready": ready_engines > 0, "engines_ready": ready_engines,
+            "engines_configured": len(state.pool.engines),
+            "prefix_index": await state.lookup.ready()}
+    return web.json_response(body, status=200 if ready_engines else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(request.app[STATE].metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app[STATE].tokenizer.vocab_size))
+
+
+async def admin_stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not admin_allowed(request.headers.get("Authorization"), state.config.admin_token):
+        raise OpenAIError("A valid admin token is required.", code="invalid_admin_token",
+                          status=401)
+    return web.json_response({
+        "served_model": state.config.served_model,
+        "in_flight": state.pool.in_flight(),
+        "engines": [engine.describe() for engine in state.pool.engines],
+        "token_cache": state.token_cache.stats()._asdict(),
+        "prefix_index": {"url_configured": bool(state.config.redis_url),
+                         "ready": await state.lookup.ready()},
+    })
+
+
+def create_app(config: GatewayConfig, tokenizer: DeepSeekTokenizer | None = None
+               ) -> web.Application:
+    """The app; pass `tokenizer` to share one loaded tokenizer (1-2 s to load) between apps."""
+    state = GatewayState.build(config, tokenizer)
+    app = web.Application(middlewares=[openai_error_middleware],
+                          client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    app.on_startup.append(state.start)
+    app.on_cleanup.append(state.stop)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/admin/stats", admin_stats)
+    return app

@@ -1,0 +1,163 @@
+"""POST /v1/chat/completions and /v1/completions: request -> tokens -> engine -> JSON or SSE."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from services.gateway.answer_stream import AnswerDelta, AnswerEnd, answer_events
+from services.gateway.chat_template import render_chat, render_completion
+from services.gateway.engine_client import EngineUnavailable
+from services.gateway.engine_router import GenerationJob
+from services.gateway.gateway_state import GatewayState
+from services.gateway.openai_errors import OpenAIError, model_not_found, unavailable
+from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest,
+                                              parse_chat_completion, parse_completion,
+                                              parse_json_body)
+from services.gateway.openai_responses import (ResponseHeader, Usage, chat_chunk,
+                                               chat_completion, text_completion, usage_chunk)
+
+log = logging.getLogger(__name__)
+
+STATE = web.AppKey("gateway_state", GatewayState)
+ARRIVED = web.RequestKey("arrived_monotonic_s", float)  # set by the app's middleware
+
+
+async def _authorized_body(request: web.Request) -> tuple[GatewayState, object, dict]:
+    state = request.app[STATE]
+    tenant = state.tenants.tenant_for(request.headers.get("Authorization"))
+    return state, tenant, parse_json_body(await request.read())
+
+
+def _check_model(state: GatewayState, model: str) -> None:
+    if model != state.config.served_model:
+        raise model_not_found(model)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, tenant, body = await _authorized_body(request)
+    parsed = parse_chat_completion(body)
+    _check_model(state, parsed.model)
+    with state.metrics.render_seconds.time():
+        tokens = await asyncio.to_thread(render_chat, parsed.messages, state.token_cache)
+    return await _generate(request, state, tenant, tokens, parsed, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state, tenant, body = await _authorized_body(request)
+    parsed = parse_completion(body, state.tokenizer.vocab_size)
+    _check_model(state, parsed.model)
+    if isinstance(parsed.prompt, str):
+        with state.metrics.render_seconds.time():
+            tokens = await asyncio.to_thread(render_completion, parsed.prompt, state.token_cache)
+    else:
+        tokens = list(parsed.prompt)
+    return await _generate(request, state, tenant, tokens, parsed, chat=False)
+
+
+async def _generate(request: web.Request, state: GatewayState, tenant, tokens: list[int],
+                    parsed: ChatCompletionRequest | CompletionRequest, chat: bool
+                    ) -> web.StreamResponse:
+    header = ResponseHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                            int(time.time()), state.config.served_model)
+    eos = (state.tokenizer.special.eos,)
+    job = GenerationJob(header.id, tokens, tenant, parsed.sampling, parsed.retention, eos,
+                        "messages" if chat else "prompt")
+    state.metrics.in_flight.inc()
+    try:
+        async with state.router.generation(job) as generation:
+            state.metrics.ttft_seconds.observe(time.monotonic() - request[ARRIVED])
+            answer = answer_events(generation, len(tokens), state.tokenizer, parsed.stop, eos)
+            if parsed.stream:
+                return await _stream(request, state, header, answer, parsed, chat)
+            return await _whole(state, header, answer, chat)
+    except (asyncio.CancelledError, ConnectionResetError):
+        state.metrics.client_disconnects.inc()
+        log.info("request %s: client went away, generation cancelled", header.id)
+        raise
+    finally:
+        state.metrics.in_flight.dec()
+
+
+def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool) -> Usage:
+    usage = Usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens)
+    state.metrics.prompt_tokens.labels("hit").inc(usage.cached_tokens)
+    state.metrics.prompt_tokens.labels("miss").inc(usage.prompt_tokens - usage.cached_tokens)
+    state.metrics.completion_tokens.inc(usage.completion_tokens)
+    if chat and not end.stopped_by_string:
+        # The next turn re-sends this answer: render it as the ids the model generated, so the
+        # new prompt extends exactly the tokens whose cache the engine saved.
+        state.token_cache.remember("assistant", text, end.token_ids)
+    return usage
+
+
+async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool) -> web.Response:
+    parts: list[str] = []
+    try:
+        async for item in answer:
+            if isinstance(item, AnswerDelta):
+                parts.append(item.text)
+            else:
+                end = item
+    except EngineUnavailable as failure:
+        state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
+        log.warning("request %s: engine failed mid-generation: %s", header.id, failure)
+        raise unavailable("The engine failed while generating the answer. Try again.") from None
+    text = "".join(parts)
+    usage = _account(state, end, text, chat)
+    body = (chat_completion(header, text, end.finish_reason, usage) if chat
+            else text_completion(header, text, end.finish_reason, usage))
+    return web.json_response(body)
+
+
+async def _stream(request: web.Request, state: GatewayState, header: ResponseHeader, answer,
+                  parsed: ChatCompletionRequest | CompletionRequest, chat: bool
+                  ) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+
+    async def send(chunk: dict | str) -> None:
+        payload = chunk if isinstance(chunk, str) else json.dumps(chunk, ensure_ascii=False)
+        await response.write(f"data: {payload}\n\n".encode())
+
+    include = parsed.include_usage
+    if chat:
+        await send(chat_chunk(header, {"role": "assistant", "content": ""},
+                              include_usage_field=include))
+    parts: list[str] = []
+    try:
+        async for item in answer:
+            if isinstance(item, AnswerDelta):
+                parts.append(item.text)
+                await send(chat_chunk(header, {"content": item.text}, include_usage_field=include)
+                           if chat else text_completion(header, item.text, None,
+                                                        include_usage_field=include))
+                continue
+            usage = _account(state, item, "".join(parts), chat)
+            # OpenAI sends usage in an extra choice-less chunk when asked; DeepSeek always puts
+            # it on the last chunk. Either way it appears exactly once.
+            last_usage = None if include else usage
+            await send(chat_chunk(header, {}, item.finish_reason, last_usage,
+                                  include_usage_field=include) if chat
+                       else text_completion(header, "", item.finish_reason, last_usage,
+                                            include_usage_field=include))
+            if include:
+                await send(usage_chunk(header, "chat.completion.chunk" if chat
+                                       else "text_completion", usage))
+    except EngineUnavailable as failure:
+        state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
+        log.warning("request %s: engine failed mid-stream: %s", header.id, failure)
+        error = OpenAIError("The engine failed while generating the answer.",
+                            code="engine_failed", status=503,
+                            error_type="service_unavailable_error")
+        await send(error.body())
+        return response
+    await send("[DONE]")
+    await response.write_eof()
+    return response

@@ -1,0 +1,140 @@
+"""HTTP client for one engine's internal API.
+
+POST /internal/generate streams NDJSON events: {"type": "token", "id"}, then {"type": "done",
+"finish_reason", "prompt_tokens", "cached_tokens", "timing"}, or {"type": "error", "message"}.
+503 + Retry-After means its queue is full; 400 carries an OpenAI-style error for bad input.
+Closing the response cancels the generation on the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, NamedTuple
+
+import aiohttp
+
+
+class TokenEvent(NamedTuple):
+    token_id: int
+
+
+class DoneEvent(NamedTuple):
+    finish_reason: str   # "stop" | "length"
+    prompt_tokens: int
+    cached_tokens: int   # prompt tokens loaded from the cache (after verification)
+    timing: dict         # engine's own timings, seconds
+
+
+EngineEvent = TokenEvent | DoneEvent
+
+
+class EngineStats(NamedTuple):
+    fingerprint: str
+    model: str
+    max_context: int   # tokens, prompt + completion
+    block_tokens: int  # tokens per cached block
+    in_flight: int
+
+
+class EngineUnavailable(Exception):
+    """The engine could not take or finish the request; another engine may. Not the user's fault."""
+
+    def __init__(self, url: str, reason: str, retry_after_s: int | None = None):
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class EngineRejected(Exception):
+    """The engine refused the input (HTTP 400): the user's fault, the same on every engine."""
+
+    def __init__(self, url: str, error: dict):
+        super().__init__(f"{url}: {error.get('message', error)}")
+        self.error = error
+
+
+class EngineClient:
+    def __init__(self, url: str, session: aiohttp.ClientSession, admin_token: str,
+                 connect_timeout_s: float, read_timeout_s: float):
+        self.url = url.rstrip("/")
+        self._session = session
+        self._admin_headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._probe_timeout = aiohttp.ClientTimeout(total=connect_timeout_s + 3.0,
+                                                    connect=connect_timeout_s)
+        # No total limit: a generation may stream for minutes; each read may wait for prefill.
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+                                                     sock_read=read_timeout_s)
+
+    async def ready(self) -> bool:
+        try:
+            async with self._session.get(f"{self.url}/readyz", timeout=self._probe_timeout) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def stats(self) -> EngineStats:
+        async with self._session.get(f"{self.url}/admin/stats", headers=self._admin_headers,
+                                     timeout=self._probe_timeout) as response:
+            response.raise_for_status()
+            body = await response.json(content_type=None)
+        return EngineStats(fingerprint=str(body["fingerprint"]), model=str(body["model"]),
+                           max_context=int(body["max_context"]),
+                           block_tokens=int(body["block_tokens"]),
+                           in_flight=int(body.get("in_flight", 0)))
+
+    @asynccontextmanager
+    async def generate(self, job: dict) -> AsyncIterator[AsyncIterator[EngineEvent]]:
+        """Start a generation; yields its event stream. Leaving the block cancels it."""
+        try:
+            response = await self._session.post(f"{self.url}/internal/generate", json=job,
+                                                timeout=self._stream_timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+            raise EngineUnavailable(self.url, f"unreachable ({error!r})") from error
+        try:
+            if response.status == 503:
+                raise EngineUnavailable(self.url, "queue full",
+                                        _retry_after(response.headers.get("Retry-After")))
+            if response.status == 400:
+                raise EngineRejected(self.url, await _error_of(response))
+            if response.status != 200:
+                raise EngineUnavailable(self.url, f"HTTP {response.status}")
+            yield self._events(response)
+        finally:
+            response.close()
+
+    async def _events(self, response: aiohttp.ClientResponse) -> AsyncIterator[EngineEvent]:
+        try:
+            while line := await response.content.readline():
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind = event.get("type")
+                if kind == "token":
+                    yield TokenEvent(int(event["id"]))
+                elif kind == "done":
+                    yield DoneEvent(event["finish_reason"], int(event["prompt_tokens"]),
+                                    int(event["cached_tokens"]), event.get("timing") or {})
+                    return
+                elif kind == "error":
+                    raise EngineUnavailable(self.url, f"engine error: {event.get('message')}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
+                TypeError) as error:
+            raise EngineUnavailable(self.url, f"stream broken ({error!r})") from error
+        raise EngineUnavailable(self.url, "stream ended without a done event")
+
+
+def _retry_after(value: str | None) -> int | None:
+    try:
+        return max(0, int(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def _error_of(response: aiohttp.ClientResponse) -> dict:
+    try:
+        body = await response.json(content_type=None)
+        return body["error"] if isinstance(body.get("error"), dict) else {"message": str(body)}
+    except (ValueError, AttributeError, aiohttp.ClientError):
+        return {"message": (await response.text())[:500]}

@@ -1,0 +1,92 @@
+"""The engines behind the gateway: health, model facts, and in-flight counts for routing.
+
+An engine is routable when its last probe passed (/readyz 200 and /admin/stats parsed) and no
+request has failed on it since. Requests go to the routable engine with the fewest of the
+gateway's own requests in flight; a failed engine is probed again on the next poll.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import aiohttp
+
+from services.gateway.engine_client import EngineClient, EngineStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineState:
+    client: EngineClient
+    stats: EngineStats | None = None
+    routable: bool = False
+    in_flight: int = 0
+    last_error: str = ""
+
+    def describe(self) -> dict:
+        return {"url": self.client.url, "routable": self.routable, "in_flight": self.in_flight,
+                "stats": self.stats._asdict() if self.stats else None,
+                "last_error": self.last_error}
+
+
+class EnginePool:
+    def __init__(self, clients: list[EngineClient], poll_s: float):
+        self.engines = [EngineState(client) for client in clients]
+        self._poll_s = poll_s
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.probe_all()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(engine) for engine in self.engines))
+
+    async def _probe(self, engine: EngineState) -> None:
+        try:
+            if not await engine.client.ready():
+                raise ConnectionError("/readyz is not 200")
+            engine.stats = await engine.client.stats()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
+                TypeError) as error:
+            if engine.routable:
+                log.warning("engine %s is not ready: %r", engine.client.url, error)
+            engine.routable, engine.last_error = False, f"probe failed: {error!r}"
+            return
+        if not engine.routable:
+            log.info("engine %s is ready: %s", engine.client.url, engine.stats)
+        engine.routable, engine.last_error = True, ""
+
+    def ranked(self) -> list[EngineState]:
+        """Routable engines, least loaded first."""
+        return sorted((e for e in self.engines if e.routable and e.stats is not None),
+                      key=lambda e: e.in_flight)
+
+    def mark_failed(self, engine: EngineState, reason: str) -> None:
+        log.warning("engine %s failed a request: %s", engine.client.url, reason)
+        engine.routable, engine.last_error = False, reason
+
+    @contextmanager
+    def claim(self, engine: EngineState) -> Iterator[EngineState]:
+        engine.in_flight += 1
+        try:
+            yield engine
+        finally:
+            engine.in_flight -= 1
+
+    def in_flight(self) -> int:
+        return sum(engine.in_flight for engine in self.engines)

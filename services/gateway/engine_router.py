@@ -1,0 +1,159 @@
+"""Sending one generation to an engine: hashing, prefix lookup, least-loaded choice, retries.
+
+An engine that fails before the first token (unreachable, queue full, broken stream) is
+skipped and the next one tried; the user sees an error only when every engine failed. Once a
+token has been produced the request belongs to that engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncIterator, NamedTuple
+
+from kvstore.hashing import block_hashes
+from kvstore.location import Hit
+from services.gateway.engine_client import (EngineEvent, EngineRejected, EngineStats,
+                                            EngineUnavailable)
+from services.gateway.engine_pool import EnginePool
+from services.gateway.gateway_metrics import GatewayMetrics
+from services.gateway.openai_errors import OpenAIError, invalid, unavailable
+from services.gateway.openai_requests import Sampling
+from services.gateway.prefix_lookup import PrefixLookup
+from services.gateway.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+_HASH_IN_THREAD_TOKENS = 16_384  # hashing ~0.1 ms per block; above this, keep the loop free
+
+
+class GenerationJob(NamedTuple):
+    request_id: str
+    tokens: list[int]
+    tenant: Tenant
+    sampling: Sampling
+    retention: str                 # "chat" | "agent"
+    stop_token_ids: tuple[int, ...]
+    prompt_param: str              # request field blamed for an over-long prompt
+
+
+class Generation(NamedTuple):
+    engine_url: str
+    hit_tokens: int                # prompt tokens the index found (the engine may verify fewer)
+    first: EngineEvent
+    events: AsyncIterator[EngineEvent]  # the events after `first`
+
+
+class EngineRouter:
+    def __init__(self, pool: EnginePool, lookup: PrefixLookup, metrics: GatewayMetrics,
+                 default_max_tokens: int):
+        self._pool = pool
+        self._lookup = lookup
+        self._metrics = metrics
+        self._default_max_tokens = default_max_tokens
+
+    @asynccontextmanager
+    async def generation(self, job: GenerationJob) -> AsyncIterator[Generation]:
+        """The running generation; leaving the block cancels it on the engine."""
+        if not self._pool.engines:
+            raise unavailable("No engine is configured for this gateway.", retry_after_s=None)
+        ranked = self._pool.ranked()
+        if not ranked:
+            log.warning("request %s: no engine ready: %s", job.request_id,
+                        [e.last_error for e in self._pool.engines])
+            raise unavailable(f"No engine is ready to serve requests (0 of "
+                              f"{len(self._pool.engines)} ready). Try again shortly.")
+        prefixes: dict[tuple[str, int], tuple[list[bytes], Hit]] = {}
+        failures: list[EngineUnavailable] = []
+        for engine in ranked:
+            stats = engine.stats
+            max_tokens = self._max_tokens(job, stats)
+            key = (stats.fingerprint, stats.block_tokens)
+            if key not in prefixes:
+                prefixes[key] = await self._hashes_and_hit(job, stats)
+            hashes, hit = prefixes[key]
+            stack = AsyncExitStack()
+            try:
+                stack.enter_context(self._pool.claim(engine))
+                events = await stack.enter_async_context(
+                    engine.client.generate(_job_body(job, hashes, hit, max_tokens)))
+                stack.push_async_callback(events.aclose)
+                first = await anext(events)
+            except EngineUnavailable as failure:
+                await stack.aclose()
+                self._note_failure(engine, failure)
+                failures.append(failure)
+                continue
+            except EngineRejected as rejected:
+                await stack.aclose()
+                raise _user_error(rejected, job.prompt_param) from None
+            except BaseException:
+                await stack.aclose()
+                raise
+            async with stack:
+                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first, events)
+            return
+        retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
+        raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
+                          "token. Try again shortly.", retry_after_s=min(retry_after, default=1))
+
+    def _max_tokens(self, job: GenerationJob, stats: EngineStats) -> int:
+        prompt = len(job.tokens)
+        if prompt >= stats.max_context:
+            raise invalid(job.prompt_param, f"This model's maximum context length is "
+                          f"{stats.max_context} tokens. However, your prompt is {prompt} tokens.",
+                          "context_length_exceeded")
+        requested = job.sampling.max_tokens
+        if requested is None:
+            return min(self._default_max_tokens, stats.max_context - prompt)
+        if prompt + requested > stats.max_context:
+            raise invalid("max_tokens", f"This model's maximum context length is "
+                          f"{stats.max_context} tokens. However, you requested "
+                          f"{prompt + requested} tokens ({prompt} in the prompt, {requested} "
+                          "for the completion).", "context_length_exceeded")
+        return requested
+
+    async def _hashes_and_hit(self, job: GenerationJob, stats: EngineStats
+                              ) -> tuple[list[bytes], Hit]:
+        args = (job.tokens, stats.fingerprint, job.tenant.salt, stats.block_tokens)
+        if len(job.tokens) >= _HASH_IN_THREAD_TOKENS:
+            hashes = await asyncio.to_thread(block_hashes, *args)
+        else:
+            hashes = block_hashes(*args)
+        hit = await self._lookup.lookup(hashes, len(job.tokens), stats.block_tokens)
+        return hashes, hit
+
+    def _note_failure(self, engine, failure: EngineUnavailable) -> None:
+        busy = failure.retry_after_s is not None
+        self._metrics.engine_failures.labels(engine.client.url,
+                                             "busy" if busy else "unavailable").inc()
+        if busy:
+            log.info("engine %s busy: %s", engine.client.url, failure.reason)
+        else:
+            self._pool.mark_failed(engine, failure.reason)
+
+
+def _job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int) -> dict:
+    return {
+        "request_id": job.request_id,
+        "tokens": job.tokens,
+        "tenant_salt": job.tenant.salt,
+        "block_hashes": [h.hex() for h in hashes],
+        # Each location is kvstore's BlockLocation.encode() text; BlockLocation.decode reads it.
+        "hit": {"blocks": hit.blocks,
+                "locations": [location.encode().decode() for location in hit.locations]},
+        "max_tokens": max_tokens,
+        "temperature": job.sampling.temperature,
+        "top_p": job.sampling.top_p,
+        "top_k": job.sampling.top_k,
+        "seed": job.sampling.seed,
+        "stop_token_ids": list(job.stop_token_ids),
+        "retention": job.retention,
+    }
+
+
+def _user_error(rejected: EngineRejected, prompt_param: str) -> OpenAIError:
+    error = rejected.error
+    return OpenAIError(str(error.get("message") or "The engine rejected the request."),
+                       param=error.get("param") or prompt_param,
+                       code=error.get("code") or "invalid_value")

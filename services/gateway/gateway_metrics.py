@@ -1,0 +1,37 @@
+"""The gateway's Prometheus metrics, on a registry of its own (one per app, so tests can run
+several apps in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gateway_requests_total", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("gateway_prompt_tokens_total",
+                                     "Prompt tokens, by whether the engine loaded them from cache",
+                                     ["cache"], registry=r)
+        self.completion_tokens = Counter("gateway_completion_tokens_total",
+                                         "Generated tokens sent to clients", registry=r)
+        self.lookup_failures = Counter("gateway_prefix_lookup_failures_total",
+                                       "Prefix index lookups that failed or timed out (served "
+                                       "as misses)", registry=r)
+        self.lookup_hit_tokens = Counter("gateway_prefix_lookup_hit_tokens_total",
+                                         "Prompt tokens found in the prefix index", registry=r)
+        self.engine_failures = Counter("gateway_engine_failures_total",
+                                       "Engine attempts that failed, by engine and reason",
+                                       ["engine", "reason"], registry=r)
+        self.client_disconnects = Counter("gateway_client_disconnects_total",
+                                          "Requests cancelled because the client went away",
+                                          registry=r)
+        self.render_seconds = Histogram("gateway_render_seconds", "Chat template + tokenization",
+                                        buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.ttft_seconds = Histogram("gateway_time_to_first_token_seconds",
+                                      "Request arrival to first generated token",
+                                      buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.in_flight = Gauge("gateway_requests_in_flight", "Generations in progress", registry=r)

@@ -1,0 +1,47 @@
+"""One lookup of a prompt's block hashes in the prefix index, never failing the request.
+
+The cache is an accelerator, not a dependency: if Redis is down, slow or returns garbage, the
+request is served as a miss, and the failure is logged and counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+from kvstore.index import PrefixIndex
+from kvstore.location import Hit, miss
+from services.gateway.gateway_metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+def usable_blocks(prompt_tokens: int, block_tokens: int) -> int:
+    """Most leading blocks a hit may cover: at least one prompt token is always left to prefill,
+    because the engine needs the last prompt token's logits to sample the first answer token."""
+    return max(0, (prompt_tokens - 1) // block_tokens)
+
+
+class PrefixLookup:
+    def __init__(self, index: PrefixIndex | None, timeout_s: float, metrics: GatewayMetrics):
+        self._index = index
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+
+    async def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, block_tokens: int) -> Hit:
+        hashes = hashes[:usable_blocks(prompt_tokens, block_tokens)]
+        if not hashes or self._index is None:
+            return miss()
+        try:
+            hit = await asyncio.wait_for(self._index.lookup(hashes), self._timeout_s)
+        except Exception as error:  # any index failure is a miss, never the user's error
+            log.warning("prefix lookup of %d blocks failed, serving as a miss: %r",
+                        len(hashes), error)
+            self._metrics.lookup_failures.inc()
+            return miss()
+        hit = hit.truncated(len(hashes))
+        self._metrics.lookup_hit_tokens.inc(hit.blocks * block_tokens)
+        return hit
+
+    async def ready(self) -> bool:
+        return self._index is not None and await self._index.ping()
