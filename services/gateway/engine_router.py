@@ -76,7 +76,7 @@ class EngineRouter:
             try:
                 stack.enter_context(self._pool.claim(engine))
                 events = await stack.enter_async_context(
-                    engine.client.generate(_job_body(job, hashes, hit, max_tokens)))
+                    engine.client.generate(engine_job_body(job, hashes, hit, max_tokens)))
                 stack.push_async_callback(events.aclose)
                 first = await anext(events)
             except EngineUnavailable as failure:
@@ -133,15 +133,16 @@ class EngineRouter:
             self._pool.mark_failed(engine, failure.reason)
 
 
-def _job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int) -> dict:
+def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int) -> dict:
+    """The POST /internal/generate body."""
     return {
         "request_id": job.request_id,
         "tokens": job.tokens,
         "tenant_salt": job.tenant.salt,
         "block_hashes": [h.hex() for h in hashes],
-        # Each location is kvstore's BlockLocation.encode() text; BlockLocation.decode reads it.
-        "hit": {"blocks": hit.blocks,
-                "locations": [location.encode().decode() for location in hit.locations]},
+        # Items are kvstore SegmentRuns as objects; the engine rebuilds the Hit as
+        # Hit(hashes[0], hashes[:blocks], tuple(SegmentRun(**item) for item in locations)).
+        "hit": {"blocks": hit.blocks, "locations": [run._asdict() for run in hit.runs]},
         "max_tokens": max_tokens,
         "temperature": job.sampling.temperature,
         "top_p": job.sampling.top_p,
