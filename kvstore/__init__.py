@@ -1,0 +1,51 @@
+"""kvstore: the MLA latent KV cache of prompt prefixes on tensorstore volumes, indexed in Redis.
+
+The only model knowledge here is the cache geometry. Public API (the engine and gateway use it):
+
+    CacheGeometry(num_layers, latent_dim=576, block_tokens=64, dtype="bfloat16")
+        .block_bytes = block_tokens * latent_dim * itemsize   (bytes of one block of one layer)
+
+    block_hashes(tokens, fingerprint, tenant_salt, block_tokens=64) -> list[bytes]   # 16 B each
+        chained over full blocks: h_i = blake2b(h_{i-1} | context(fingerprint, salt) | int32 tokens)
+
+    open_redis(url, cluster=False) -> redis.asyncio client
+    PrefixIndex(client, prefix="dikv")
+        await lookup(hashes) -> Hit              # longest leading run, one script call; hits re-arm TTLs
+        await publish(root, hashes, locations, tenant, ttl_s)   # only for durable data
+        await drop(root, block_hash, segment)    # a bad entry
+    Hit(root, hashes, runs: tuple[SegmentRun, ...]); .blocks; .locations; .truncated(n)
+
+    RetentionPolicy(classes={"chat": 7 d, "agent": 3 d}, min_ttl_s=60, max_ttl_s=30 d)
+
+    store = await BlockStore.open(volumes, geometry, fingerprint, index, budget_bytes=None,
+                                  max_segment_blocks=64, read_ahead=2, threads=4, ...)
+        volumes: directory paths or tensorstore kvstore specs (dict or URL)
+        await store.save(hashes, layers, start_block=0, tenant="", retention="chat", ttl_s=None)
+            -> SaveResult(blocks, segments, bytes)      # durable AND published when it returns
+            hashes: the chain from block 0; layers[l]: (new_blocks * block_tokens, latent_dim)
+        p = store.prefetch(hit, read_ahead=None) -> Prefetch   # reading starts now
+            await p.layer(l) -> np.ndarray (tokens, latent_dim), verified, cache dtype
+            await p.valid_tokens() -> int            # usable prefix for every layer
+            p.cancel()
+        await store.read_layer(hit, l) -> LayerRead(latents, valid_blocks)
+        await store.capacity.sweep() -> SweepResult; await store.capacity.evict(tenant=None) -> int
+        store.stats: StoreStats; await store.close()
+
+Cache faults (missing, torn, corrupt or foreign data) never raise from reads: they shorten
+the prefix, drop the bad index entry and count `stats.verification_failures`.
+"""
+from .capacity import SweepResult
+from .geometry import CacheGeometry
+from .hashing import block_hashes
+from .index import PrefixIndex, open_redis
+from .location import BlockLocation, Hit, SegmentRun, miss
+from .prefetch import Prefetch
+from .retention import RetentionPolicy
+from .stats import StoreStats
+from .store import BlockStore, LayerRead, SaveResult, SegmentWriteError
+
+__all__ = [
+    "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "Prefetch", "PrefixIndex",
+    "RetentionPolicy", "SaveResult", "SegmentRun", "SegmentWriteError", "StoreStats", "SweepResult",
+    "block_hashes", "miss", "open_redis",
+]

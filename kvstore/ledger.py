@@ -105,6 +105,10 @@ class VolumeLedger:
     async def due_for_deletion(self, volume: str) -> list[str]:
         return [s.decode() for s in await self.redis.zrangebyscore(self._keys(volume)[3], 0, _now_ms())]
 
+    async def graves(self, volume: str) -> list[str]:
+        """Every retired segment whose bytes have not been deleted yet."""
+        return [s.decode() for s in await self.redis.zrange(self._keys(volume)[3], 0, -1)]
+
     async def buried(self, volume: str, segment: str) -> None:
         """The segment's bytes are gone; forget it."""
         await self.redis.zrem(self._keys(volume)[3], segment)

@@ -1,0 +1,99 @@
+"""The segment: the blocks written by one save, stored layer-major in one volume object.
+
+Object layout (bytes):
+  [0, 8)            magic b"DIKVSEG1"
+  [8, 12)           header length H (uint32 little-endian)
+  [12, 12 + H)      msgpack header: fingerprint, geometry, tenant, block hashes, checksums
+  [.., data_offset) zero padding to a 4 KiB boundary
+  [data_offset, ..) latents, layer-major: layer l is bytes
+                    [data_offset + l * n_blocks * block_bytes, + n_blocks * block_bytes),
+                    i.e. (n_blocks * block_tokens, latent_dim) rows in cache dtype.
+So one layer of a run of consecutive blocks is one contiguous byte range.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import msgpack
+import numpy as np
+
+from .geometry import CacheGeometry
+from .hashing import HASH_BYTES
+
+MAGIC = b"DIKVSEG1"
+PREAMBLE_BYTES = 12
+ALIGN_BYTES = 4096
+CHECKSUM = "rowsum64"
+
+
+def block_checksums(rows: np.ndarray, block_tokens: int) -> np.ndarray:
+    """rowsum64 of each block of one layer: (n_blocks * block_tokens, latent_dim) -> (n_blocks,) uint64.
+
+    Per token row the wrapping sum of its 8-byte words, then a sum of those weighted by odd
+    per-row constants. Any single flipped bit, zeroed or swapped row changes it; it runs at
+    memory speed, which a cryptographic hash would not (block identity is checked with the
+    block hashes in the header, not with this).
+    """
+    words = rows.view(np.uint64).reshape(-1, block_tokens, rows.shape[1] * rows.itemsize // 8)
+    per_row = words.sum(axis=2, dtype=np.uint64)  # (n_blocks, block_tokens)
+    weights = (np.arange(block_tokens, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    return (per_row * weights).sum(axis=1, dtype=np.uint64)
+
+
+class SegmentHeader(NamedTuple):
+    fingerprint: str
+    geometry: CacheGeometry
+    tenant: str
+    hashes: tuple[bytes, ...]   # block hashes, in block order
+    checksums: np.ndarray       # (num_layers, n_blocks) uint64, rowsum64 of each block of each layer
+    data_offset: int            # bytes
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.hashes)
+
+
+def data_offset_for(header_bytes: int) -> int:
+    return -(-(PREAMBLE_BYTES + header_bytes) // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
+                   layers: Sequence[np.ndarray]) -> tuple[bytes, int]:
+    """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, latent_dim)."""
+    checksums = np.stack([block_checksums(np.ascontiguousarray(x), geometry.block_tokens) for x in layers])
+    header = msgpack.packb({
+        "fingerprint": fingerprint, "geometry": geometry.as_dict(), "tenant": tenant,
+        "hashes": b"".join(hashes), "checksum": CHECKSUM, "checksums": checksums.astype("<u8").tobytes(),
+    })
+    offset = data_offset_for(len(header))
+    preamble = MAGIC + len(header).to_bytes(4, "little") + header
+    parts = [preamble, bytes(offset - len(preamble))] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]
+    return b"".join(parts), offset
+
+
+class SegmentFormatError(ValueError):
+    """The stored bytes are not a segment header this code can trust."""
+
+
+def header_length(preamble: bytes) -> int:
+    if len(preamble) < PREAMBLE_BYTES or preamble[:8] != MAGIC:
+        raise SegmentFormatError("bad magic")
+    return int.from_bytes(preamble[8:12], "little")
+
+
+def decode_header(raw: bytes) -> SegmentHeader:
+    """Parse the first 12 + H bytes of a segment object."""
+    length = header_length(raw)
+    if len(raw) < PREAMBLE_BYTES + length:
+        raise SegmentFormatError("truncated header")
+    try:
+        h = msgpack.unpackb(raw[PREAMBLE_BYTES:PREAMBLE_BYTES + length])
+        geometry = CacheGeometry(**h["geometry"])
+        blob = h["hashes"]
+        hashes = tuple(blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES))
+        checksums = np.frombuffer(h["checksums"], dtype="<u8").reshape(geometry.num_layers, len(hashes))
+        if h["checksum"] != CHECKSUM:
+            raise SegmentFormatError(f"unknown checksum {h['checksum']!r}")
+        return SegmentHeader(h["fingerprint"], geometry, h["tenant"], hashes, checksums, data_offset_for(length))
+    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
+        raise SegmentFormatError(f"malformed header: {e}") from e

@@ -1,0 +1,323 @@
+"""BlockStore: saves new blocks as segments over the volumes and reads hits back, verified."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from .capacity import Capacity
+from .geometry import CacheGeometry
+from .index import PrefixIndex
+from .ledger import SegmentRecord, VolumeLedger
+from .location import BlockLocation, Hit
+from .prefetch import Prefetch
+from .retention import RetentionPolicy
+from .hashing import HASH_BYTES
+from .segment import (PREAMBLE_BYTES, data_offset_for, SegmentFormatError, SegmentHeader, block_checksums,
+                      decode_header, encode_segment, header_length)
+from .stats import StoreStats
+from .volume import Volume
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+class SaveResult(NamedTuple):
+    blocks: int                  # blocks written and published
+    segments: tuple[str, ...]    # segment ids, in block order
+    bytes: int                   # segment object bytes written
+
+
+class LayerRead(NamedTuple):
+    latents: np.ndarray          # (valid_blocks * block_tokens, latent_dim), cache dtype
+    valid_blocks: int
+
+
+class HeaderCheck(NamedTuple):
+    headers: dict[str, SegmentHeader]  # segment id -> header, for segments that passed
+    valid_blocks: int                  # leading blocks of the hit whose headers match
+
+
+class SegmentWriteError(RuntimeError):
+    """A save could not make its data durable; nothing of it was published."""
+
+
+class BlockStore:
+    """Latent blocks of prompt prefixes on tensorstore volumes, found through a PrefixIndex.
+
+    Invariants: save() returns only after the data is durable AND published, and publishes
+    nothing when any write fails; every delivered block matched its segment header (model
+    fingerprint, geometry, block hash) and its per-layer checksum, and a block that did not is
+    dropped from the index and counted, never raised; one save becomes segments of at most
+    `max_segment_blocks` blocks on the least used volumes, each stored layer-major, so reading
+    one layer of a prefix is one range read per segment.
+    """
+
+    def __init__(self, volumes: Sequence[Volume], geometry: CacheGeometry, fingerprint: str,
+                 index: PrefixIndex, ledger: VolumeLedger, pool: ThreadPoolExecutor, *,
+                 budget_bytes: int | None = None, retention: RetentionPolicy = RetentionPolicy(),
+                 max_segment_blocks: int = 64, read_ahead: int = 2, read_chunk_bytes: int = 8 * MiB,
+                 reader_grace_s: float = 30.0) -> None:
+        if not volumes:
+            raise ValueError("a block store needs at least one volume")
+        if len({v.id for v in volumes}) != len(volumes):
+            raise ValueError("the same volume is listed twice")
+        if not 1 <= max_segment_blocks < 1_000_000:
+            raise ValueError(f"max_segment_blocks must be in [1, 999999], got {max_segment_blocks}")
+        self.volumes = {v.id: v for v in volumes}
+        self.geometry = geometry
+        self.fingerprint = fingerprint
+        self.index = index
+        self.ledger = ledger
+        self.retention = retention
+        self.max_segment_blocks = max_segment_blocks
+        self.read_ahead = read_ahead
+        self.read_chunk_bytes = read_chunk_bytes
+        self.stats = StoreStats()
+        self.readers: Counter[str] = Counter()  # segment id -> prefetches reading it in this process
+        self.capacity = Capacity(self, budget_bytes, reader_grace_s)
+        self._pool = pool
+        self._headers: OrderedDict[str, SegmentHeader] = OrderedDict()  # segments are immutable
+        self._next_volume = 0
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    async def open(cls, volumes: Sequence[str | dict[str, Any]], geometry: CacheGeometry, fingerprint: str,
+                   index: PrefixIndex, *, threads: int = 4, direct_reads: bool = True, **options) -> "BlockStore":
+        """Open (creating if needed) the volumes; `options` are the constructor's keywords."""
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-io")
+        opened = [await Volume.open(v, pool, direct_reads) for v in volumes]
+        ledger = VolumeLedger(index.redis, index.prefix)
+        return cls(opened, geometry, fingerprint, index, ledger, pool, **options)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.capacity.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- save -------------------------------------------------------------------------------
+
+    async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,
+                   tenant: str = "", retention: str = "chat", ttl_s: int | None = None) -> SaveResult:
+        """Store blocks start_block..len(hashes)-1 of a chain; `hashes` is the chain from block 0.
+
+        `layers[l]` is (n_new_blocks * block_tokens, latent_dim) in cache dtype.
+        Raises ValueError naming a bad argument, SegmentWriteError if the data could not be
+        made durable (then nothing was published).
+        """
+        ttl = self.retention.ttl_s(retention, ttl_s)
+        new = self._check_save(hashes, layers, start_block)
+        bt = self.geometry.block_tokens
+        plan = []  # (volume, segment id, first new block, blocks)
+        for first in range(0, new, self.max_segment_blocks):
+            count = min(self.max_segment_blocks, new - first)
+            plan.append((first, count))
+        volumes = await self._place([self._segment_bytes(c, tenant) for _, c in plan])
+        writes = []
+        for (first, count), volume in zip(plan, volumes):
+            seg_hashes = hashes[start_block + first:start_block + first + count]
+            seg_layers = [x[first * bt:(first + count) * bt] for x in layers]
+            writes.append(self._write_segment(volume, seg_hashes, seg_layers, tenant))
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in results):
+            self.stats.write_failures += 1
+            await asyncio.gather(*(v.delete(r[0]) for v, r in zip(volumes, results)
+                                   if not isinstance(r, BaseException)), return_exceptions=True)
+            error = next(r for r in results if isinstance(r, BaseException))
+            raise SegmentWriteError(f"segment write failed: {error!r}") from error
+        root = hashes[0]
+        for (first, count), volume, (segment, offset, size) in zip(plan, volumes, results):
+            seg_hashes = hashes[start_block + first:start_block + first + count]
+            await self.ledger.add(volume.id, SegmentRecord(segment, root, size, tenant))
+            locations = [BlockLocation(volume.id, segment, i, count, offset) for i in range(count)]
+            await self.index.publish(root, seg_hashes, locations, tenant, ttl)
+        written = sum(r[2] for r in results)
+        self.stats.blocks_written += new
+        self.stats.segments_written += len(results)
+        self.stats.bytes_written += written
+        return SaveResult(new, tuple(r[0] for r in results), written)
+
+    def _check_save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], start_block: int) -> int:
+        g = self.geometry
+        if not 0 <= start_block < len(hashes):
+            raise ValueError(f"start_block must be in [0, {len(hashes)}), got {start_block}")
+        if len(layers) != g.num_layers:
+            raise ValueError(f"layers must have {g.num_layers} entries, got {len(layers)}")
+        new = len(hashes) - start_block
+        want = (new * g.block_tokens, g.latent_dim)
+        for i, x in enumerate(layers):
+            if not isinstance(x, np.ndarray) or x.shape != want:
+                raise ValueError(f"layers[{i}] must have shape {want}, got {getattr(x, 'shape', type(x))}")
+            if x.dtype != g.np_dtype:
+                raise ValueError(f"layers[{i}] must have dtype {g.dtype}, got {x.dtype}")
+        return new
+
+    def _segment_bytes(self, blocks: int, tenant: str) -> int:
+        """Bytes of a segment object: data plus an upper bound of its header (checksums, hashes)."""
+        g = self.geometry
+        header = 512 + len(self.fingerprint) + len(tenant) + blocks * (HASH_BYTES + 8 * g.num_layers)
+        return data_offset_for(header) + blocks * g.num_layers * g.block_bytes
+
+    async def _place(self, sizes: list[int]) -> list[Volume]:
+        """A volume per segment: least used first (round-robin among equals), making room if needed."""
+        used = await self.ledger.used(list(self.volumes))
+        chosen = []
+        for size in sizes:
+            order = list(self.volumes)
+            order = order[self._next_volume % len(order):] + order[:self._next_volume % len(order)]
+            self._next_volume += 1
+            vid = min(order, key=lambda v: used[v])
+            used[vid] += size
+            chosen.append(self.volumes[vid])
+        for vid in {v.id for v in chosen}:
+            await self.capacity.make_room(vid, sum(s for s, v in zip(sizes, chosen) if v.id == vid))
+        return chosen
+
+    async def _write_segment(self, volume: Volume, hashes: Sequence[bytes], layers: Sequence[np.ndarray],
+                             tenant: str) -> tuple[str, int, int]:
+        segment = secrets.token_hex(16)
+        loop = asyncio.get_running_loop()
+        payload, offset = await loop.run_in_executor(
+            self._pool, encode_segment, self.fingerprint, self.geometry, tenant, hashes, layers)
+        await volume.write(segment, payload)
+        return segment, offset, len(payload)
+
+    # ---- read -------------------------------------------------------------------------------
+
+    def prefetch(self, hit: Hit, read_ahead: int | None = None) -> Prefetch:
+        """Start reading every layer of `hit` in the background (needs a running event loop)."""
+        self._spawn(self.ledger.touch([(r.volume, r.segment) for r in hit.runs]))
+        return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead)
+
+    async def header(self, volume_id: str, segment: str) -> SegmentHeader:
+        """The segment's header (cached: segments never change). Raises SegmentFormatError."""
+        cached = self._headers.get(segment)
+        if cached is not None:
+            self._headers.move_to_end(segment)
+            return cached
+        volume = self.volumes.get(volume_id)
+        if volume is None:
+            raise SegmentFormatError(f"unknown volume {volume_id}")
+        head = await volume.read(segment, 0, 4096)
+        length = header_length(head)
+        if PREAMBLE_BYTES + length > len(head):
+            head = await volume.read(segment, 0, PREAMBLE_BYTES + length)
+        header = decode_header(head)
+        self._headers[segment] = header
+        if len(self._headers) > 4096:
+            self._headers.popitem(last=False)
+        return header
+
+    async def verified_headers(self, hit: Hit) -> HeaderCheck:
+        """Check each run's header against the hit; valid_blocks stops at the first mismatch."""
+        found = await asyncio.gather(*(self.header(r.volume, r.segment) for r in hit.runs),
+                                     return_exceptions=True)
+        headers, block = {}, 0
+        for run, header in zip(hit.runs, found):
+            bad = self._first_bad_block(hit, run, block, header)
+            if bad is not None:
+                await self._reject(hit, block + bad, run.segment, f"header: {header!r}"[:200])
+                return HeaderCheck(headers, block + bad)
+            headers[run.segment] = header
+            block += run.count
+        return HeaderCheck(headers, block)
+
+    def _first_bad_block(self, hit: Hit, run, block: int, header) -> int | None:
+        if isinstance(header, BaseException):
+            return 0
+        if (header.fingerprint != self.fingerprint or header.geometry != self.geometry
+                or header.n_blocks != run.n_blocks or run.first + run.count > header.n_blocks):
+            return 0
+        for i in range(run.count):
+            if header.hashes[run.first + i] != hit.hashes[block + i]:
+                return i
+        return None
+
+    async def read_layer(self, hit: Hit, layer: int, check: HeaderCheck | None = None) -> LayerRead:
+        """Layer `layer` of the hit's leading valid blocks, every block checksum-verified."""
+        started = time.perf_counter()
+        g = self.geometry
+        check = check or await self.verified_headers(hit)
+        blocks = min(hit.blocks, check.valid_blocks)
+        out = np.empty((blocks * g.block_tokens, g.latent_dim), g.np_dtype)  # (tokens, latent_dim)
+        reads, block = [], 0
+        for run in hit.truncated(blocks).runs:
+            rows = out[block * g.block_tokens:(block + run.count) * g.block_tokens]
+            reads.append(self._read_run(run, layer, rows, check.headers[run.segment]))
+            block += run.count
+        valid = blocks
+        block = 0
+        for run, bad in zip(hit.truncated(blocks).runs, await asyncio.gather(*reads)):
+            if bad is not None:
+                valid = block + bad
+                await self._reject(hit, valid, run.segment, f"layer {layer} checksum")
+                break
+            block += run.count
+        self.stats.layer_reads += 1
+        self.stats.bytes_read += valid * g.block_bytes
+        self.stats.read_latency.observe(time.perf_counter() - started)
+        return LayerRead(out[:valid * g.block_tokens], valid)
+
+    async def _read_run(self, run, layer: int, rows: np.ndarray, header: SegmentHeader) -> int | None:
+        """Read one run's layer into `rows`; the index of its first bad block, or None."""
+        g = self.geometry
+        volume = self.volumes[run.volume]
+        start = run.data_offset + (layer * run.n_blocks + run.first) * g.block_bytes
+        buffer = memoryview(rows.reshape(-1).view(np.uint8))
+        step = max(g.block_bytes, self.read_chunk_bytes // g.block_bytes * g.block_bytes)
+        offsets = range(0, len(buffer), step)
+        got = await asyncio.gather(*(volume.read_into(run.segment, start + o, buffer[o:o + step])
+                                     for o in offsets))
+        short = [o + n for o, n in zip(offsets, got) if n < min(step, len(buffer) - o)]
+        complete = min(short) // g.block_bytes if short else run.count  # blocks fully read
+        expected = header.checksums[layer, run.first:run.first + run.count]
+        actual = await asyncio.get_running_loop().run_in_executor(
+            self._pool, block_checksums, rows, g.block_tokens)
+        mismatch = np.flatnonzero(actual[:complete] != expected[:complete])
+        if mismatch.size:
+            return int(mismatch[0])
+        return None if complete == run.count else complete
+
+    async def _reject(self, hit: Hit, block: int, segment: str, why: str) -> None:
+        """Block `block` of the hit failed verification: count it, drop its entry, go on as a miss."""
+        self.stats.verification_failures += 1
+        log.warning("block %d of root %s failed verification (%s); dropping it from the index",
+                    block, hit.root.hex(), why)
+        try:
+            await self.index.drop(hit.root, hit.hashes[block], segment)
+        except Exception:  # the index may be down: the entry then just stays a miss next time too
+            log.exception("could not drop a bad index entry")
+        self._headers.pop(segment, None)
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    def hold(self, segments: set[str]) -> None:
+        self.readers.update(segments)
+
+    def release(self, segments: set[str]) -> None:
+        self.readers.subtract(segments)
+        for s in segments:
+            if self.readers[s] <= 0:
+                del self.readers[s]
+
+    def forget(self, segment: str) -> None:
+        self._headers.pop(segment, None)
+
+    def _spawn(self, coro) -> None:
+        async def logged():
+            try:
+                await coro
+            except Exception:  # background bookkeeping: log, never disturb a request
+                log.exception("background store task failed")
+        task = asyncio.create_task(logged())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,133 @@
+"""A volume: one tensorstore kvstore root (a directory per SSD by default) holding segments."""
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import tensorstore as ts
+
+from .location import SEGMENT_ID, VOLUME_ID
+
+ID_KEY = "VOLUME_ID"
+SEGMENT_DIR = "segments/"
+
+
+def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
+    """A tensorstore kvstore spec: a plain path means the `file` driver on that directory."""
+    if isinstance(volume, dict):
+        spec = dict(volume)
+    elif "://" in volume:
+        spec = ts.KvStore.Spec(volume).to_json()
+    else:
+        spec = {"driver": "file", "path": os.path.abspath(volume)}
+    if spec.get("path") and not spec["path"].endswith("/"):
+        spec["path"] += "/"
+    return spec
+
+
+def segment_key(segment: str) -> str:
+    """The volume key of a segment; refuses anything but a segment id, so no name escapes the root."""
+    if not SEGMENT_ID.match(segment):
+        raise ValueError(f"segment id must be 32 lowercase hex digits, got {segment!r}")
+    return SEGMENT_DIR + segment
+
+
+class Volume:
+    """Segments in one kvstore root.
+
+    Invariants: a write is atomic and durable when it returns (tensorstore writes to a temporary
+    file and renames it, with fsync: `file_io_sync`), so a reader sees a whole segment or none;
+    `read_into` never returns bytes of another key. For `file` volumes reads bypass tensorstore
+    and `preadv` straight into the caller's buffer (one copy from the page cache); other drivers
+    read through tensorstore byte ranges.
+    """
+
+    def __init__(self, store: ts.KvStore, spec: dict[str, Any], volume_id: str,
+                 pool: ThreadPoolExecutor, direct_reads: bool) -> None:
+        self.store = store
+        self.spec = spec
+        self.id = volume_id
+        self._pool = pool
+        self._root = spec["path"] if spec.get("driver") == "file" and direct_reads else None
+
+    @classmethod
+    async def open(cls, volume: str | dict[str, Any], pool: ThreadPoolExecutor,
+                   direct_reads: bool = True) -> "Volume":
+        spec = volume_spec(volume)
+        if spec.get("driver") == "file":
+            os.makedirs(spec["path"], exist_ok=True)
+        store = await ts.KvStore.open(spec, context=ts.Context({"file_io_sync": True}))
+        found = await store.read(ID_KEY)
+        if found.state != "value":
+            await store.write(ID_KEY, secrets.token_hex(8).encode())
+            found = await store.read(ID_KEY)  # a concurrent opener may have won; use what is stored
+        volume_id = found.value.decode().strip()
+        if not VOLUME_ID.match(volume_id):
+            raise ValueError(f"volume {spec} has a malformed {ID_KEY}: {volume_id!r}")
+        return cls(store, spec, volume_id, pool, direct_reads)
+
+    @property
+    def name(self) -> str:
+        return self.spec.get("path") or str(self.spec)
+
+    async def write(self, segment: str, payload: bytes) -> None:
+        await self.store.write(segment_key(segment), payload)
+
+    async def delete(self, segment: str) -> None:
+        await self.store.write(segment_key(segment), None)
+
+    async def read(self, segment: str, offset: int, length: int) -> bytes:
+        """Up to `length` bytes at `offset`; shorter (possibly empty) if the object is shorter or gone."""
+        result = await self.store.read(segment_key(segment), byte_range=slice(offset, offset + length))
+        return result.value if result.state == "value" else b""
+
+    async def read_into(self, segment: str, offset: int, out: memoryview) -> int:
+        """Fill `out` from `offset`; returns bytes read (less than len(out) if short or gone)."""
+        if self._root is None:
+            data = await self.read(segment, offset, len(out))
+            out[:len(data)] = data
+            return len(data)
+        path = self._root + segment_key(segment)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, _pread_all, path, offset, out)
+
+    async def segments(self) -> list[str]:
+        keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))
+        names = [k.decode()[len(SEGMENT_DIR):] for k in keys]
+        return [n for n in names if SEGMENT_ID.match(n)]
+
+    async def age_s(self, segment: str) -> float | None:
+        """Seconds since the segment object was written; None where the driver cannot tell."""
+        if self.spec.get("driver") != "file":
+            return None
+        try:
+            return time.time() - os.stat(self.spec["path"] + segment_key(segment)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    async def reachable(self) -> bool:
+        try:
+            found = await asyncio.wait_for(self.store.read(ID_KEY), timeout=2.0)
+            return found.state == "value" and found.value.decode().strip() == self.id
+        except Exception:  # readiness probe: any failure means "not reachable"
+            return False
+
+
+def _pread_all(path: str, offset: int, out: memoryview) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return 0
+    try:
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+    finally:
+        os.close(fd)

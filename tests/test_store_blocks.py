@@ -1,0 +1,246 @@
+"""BlockStore on real tensorstore volumes (temp dirs) with a real Valkey index."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from kvstore import BlockStore, CacheGeometry, PrefixIndex, SegmentWriteError, block_hashes, open_redis
+from kvstore.volume import segment_key
+
+GEOMETRY = CacheGeometry(num_layers=4, latent_dim=576, block_tokens=16, dtype="bfloat16")
+FP = "mini-model-fp"
+
+
+def prompt(n_blocks: int, seed: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7) % 60_000 for i in range(n_blocks * GEOMETRY.block_tokens)]
+
+
+def latents(n_blocks: int, seed: int, geometry: CacheGeometry = GEOMETRY) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (n_blocks * geometry.block_tokens, geometry.latent_dim)  # (tokens, latent_dim)
+    return [rng.standard_normal(shape, dtype=np.float32).astype(geometry.np_dtype) for _ in range(geometry.num_layers)]
+
+
+@pytest.fixture
+async def index(redis_url):
+    client = open_redis(redis_url)
+    yield PrefixIndex(client)
+    await client.aclose()
+
+
+async def open_store(tmp_path, index, n_volumes=2, fingerprint=FP, **options) -> BlockStore:
+    volumes = [str(tmp_path / f"ssd{i}") for i in range(n_volumes)]
+    options.setdefault("max_segment_blocks", 4)
+    options.setdefault("reader_grace_s", 0.0)
+    return await BlockStore.open(volumes, GEOMETRY, fingerprint, index, threads=2, **options)
+
+
+@pytest.fixture
+async def store(tmp_path, index):
+    s = await open_store(tmp_path, index)
+    yield s
+    await s.close()
+
+
+async def read_all(store, hit):
+    p = store.prefetch(hit)
+    layers = [await p.layer(l) for l in range(GEOMETRY.num_layers)]
+    return layers, await p.valid_tokens()
+
+
+async def test_save_lookup_prefetch_roundtrip(store, index, tmp_path):
+    hashes = block_hashes(prompt(10, 1), FP, "tenant-a", GEOMETRY.block_tokens)
+    data = latents(10, 1)
+    result = await store.save(hashes, data, tenant="tenant-a")
+    assert result.blocks == 10 and len(result.segments) == 3  # 4 + 4 + 2 blocks
+    hit = await index.lookup(hashes + block_hashes(prompt(12, 2), FP, "x", 16))
+    assert hit.blocks == 10
+    layers, valid = await read_all(store, hit)
+    assert valid == 160
+    for got, want in zip(layers, data):
+        assert got.dtype == GEOMETRY.np_dtype and got.shape == (160, 576)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    per_volume = [len(os.listdir(tmp_path / f"ssd{i}" / "segments")) for i in range(2)]
+    assert sorted(per_volume) == [1, 2]  # segments spread over both volumes
+
+
+async def test_save_continues_a_chain(store, index):
+    hashes = block_hashes(prompt(8, 3), FP, "t", GEOMETRY.block_tokens)
+    data = latents(8, 3)
+    await store.save(hashes[:3], [x[:48] for x in data])
+    await store.save(hashes, [x[48:] for x in data], start_block=3)
+    hit = await index.lookup(hashes)
+    assert hit.blocks == 8
+    layers, valid = await read_all(store, hit)
+    assert valid == 128 and np.array_equal(layers[3].view(np.uint16), data[3].view(np.uint16))
+
+
+async def test_bad_save_arguments_name_the_field(store):
+    hashes = block_hashes(prompt(2, 4), FP, "t", 16)
+    with pytest.raises(ValueError, match="layers\\[0\\] must have dtype"):
+        await store.save(hashes, [x.astype(np.float32) for x in latents(2, 4)])
+    with pytest.raises(ValueError, match="layers must have 4"):
+        await store.save(hashes, latents(2, 4)[:3])
+    with pytest.raises(ValueError, match="retention"):
+        await store.save(hashes, latents(2, 4), retention="forever")
+    with pytest.raises(ValueError, match="ttl_s"):
+        await store.save(hashes, latents(2, 4), ttl_s=10 ** 9)
+
+
+async def test_publish_only_after_durable(store, index, tmp_path):
+    hashes = block_hashes(prompt(16, 5), FP, "t", 16)
+    save = asyncio.create_task(store.save(hashes, latents(16, 5)))
+    seen_partial = False
+    while not save.done():
+        hit = await index.lookup(hashes)
+        for run in hit.runs:  # anything findable must already be complete on disk
+            path = tmp_path / next(p for p in os.listdir(tmp_path) if (tmp_path / p / segment_key(run.segment)).exists())
+            size = os.path.getsize(path / segment_key(run.segment))
+            assert size == run.data_offset + run.n_blocks * GEOMETRY.num_layers * GEOMETRY.block_bytes
+        seen_partial |= 0 < hit.blocks < 16
+        await asyncio.sleep(0)
+    await save
+    assert (await index.lookup(hashes)).blocks == 16
+
+
+async def test_failed_write_publishes_nothing(tmp_path, index):
+    store = await open_store(tmp_path, index, n_volumes=1)
+    try:
+        (tmp_path / "ssd0" / "segments").rmdir() if (tmp_path / "ssd0" / "segments").exists() else None
+        (tmp_path / "ssd0" / "segments").write_text("not a directory")
+        hashes = block_hashes(prompt(3, 6), FP, "t", 16)
+        with pytest.raises(SegmentWriteError):
+            await store.save(hashes, latents(3, 6))
+        assert (await index.lookup(hashes)).blocks == 0
+        assert store.stats.write_failures == 1
+    finally:
+        await store.close()
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+async def test_corrupt_block_is_a_miss_from_there_on(store, index, tmp_path):
+    hashes = block_hashes(prompt(4, 7), FP, "t", 16)
+    await store.save(hashes, latents(4, 7))
+    hit = await index.lookup(hashes)
+    (run,) = hit.runs
+    path = next(p for p in tmp_path.glob(f"ssd*/{segment_key(run.segment)}"))
+    # layer 2, block 1: bytes [off + (2 * 4 + 1) * block_bytes, ...)
+    _flip_byte(path, run.data_offset + (2 * 4 + 1) * GEOMETRY.block_bytes + 999)
+    layers, valid = await read_all(store, hit)
+    assert valid == 16  # only block 0 survives
+    assert layers[0].shape[0] == 64 and layers[3].shape[0] == 16
+    assert store.stats.verification_failures == 1
+    assert (await index.lookup(hashes)).blocks == 1  # the bad entry is gone
+
+
+async def test_torn_or_missing_segment_is_a_miss(store, index, tmp_path):
+    hashes = block_hashes(prompt(4, 8), FP, "t", 16)
+    await store.save(hashes, latents(4, 8))
+    hit = await index.lookup(hashes)
+    path = next(tmp_path.glob(f"ssd*/{segment_key(hit.runs[0].segment)}"))
+    os.truncate(path, os.path.getsize(path) - GEOMETRY.block_bytes * 3)  # layer 3 loses blocks 1..3
+    layers, valid = await read_all(store, hit)
+    assert valid == 16 and layers[3].shape[0] == 16
+    os.remove(path)
+    store.forget(hit.runs[0].segment)
+    _, valid = await read_all(store, await index.lookup(hashes))
+    assert valid == 0
+
+
+async def test_foreign_fingerprint_is_a_miss(tmp_path, index, store):
+    hashes = block_hashes(prompt(2, 9), "other-model", "t", 16)
+    await store.save(hashes, latents(2, 9))
+    other = await open_store(tmp_path, index, fingerprint="other-model")
+    try:
+        hit = await index.lookup(hashes)
+        _, valid = await read_all(other, hit)
+        assert valid == 0 and other.stats.verification_failures == 1
+    finally:
+        await other.close()
+
+
+async def test_eviction_keeps_budget_and_recently_hit(tmp_path, index):
+    seg_bytes = 4096 + 4 * GEOMETRY.num_layers * GEOMETRY.block_bytes  # 4-block segment with header
+    store = await open_store(tmp_path, index, n_volumes=1, budget_bytes=int(2.5 * seg_bytes))
+    try:
+        chains = [block_hashes(prompt(4, 20 + i), FP, "t", 16) for i in range(4)]
+        await store.save(chains[0], latents(4, 20))
+        await store.save(chains[1], latents(4, 21))
+        await read_all(store, await index.lookup(chains[0]))  # chain 0 is now the most recent hit
+        await asyncio.sleep(0.05)
+        await store.save(chains[2], latents(4, 22))  # evicts chain 1
+        assert [(await index.lookup(c)).blocks for c in chains[:3]] == [4, 0, 4]
+        used = (await store.ledger.used(list(store.volumes)))
+        assert max(used.values()) <= 2.5 * seg_bytes
+        assert store.stats.evictions == 1
+        result = await store.capacity.sweep()
+        assert result.deleted == 1
+        assert len(os.listdir(tmp_path / "ssd0" / "segments")) == 2
+    finally:
+        await store.close()
+
+
+async def test_sweep_reclaims_expired(store, index, tmp_path):
+    hashes = block_hashes(prompt(2, 30), FP, "t", 16)
+    store.retention.classes["short"] = 1
+    try:
+        await store.save(hashes, latents(2, 30), retention="short")
+    finally:
+        del store.retention.classes["short"]
+    await asyncio.sleep(1.5)
+    result = await store.capacity.sweep()
+    assert (result.expired, result.deleted) == (1, 1)
+    assert all(not os.listdir(p / "segments") for p in tmp_path.glob("ssd*") if (p / "segments").exists())
+
+
+async def test_evict_by_tenant(store, index):
+    a = block_hashes(prompt(2, 40), FP, "tenant-a", 16)
+    b = block_hashes(prompt(2, 40), FP, "tenant-b", 16)
+    await store.save(a, latents(2, 40), tenant="tenant-a")
+    await store.save(b, latents(2, 40), tenant="tenant-b")
+    assert await store.capacity.evict(tenant="tenant-a") == 1
+    assert (await index.lookup(a)).blocks == 0 and (await index.lookup(b)).blocks == 2
+
+
+async def test_concurrent_writers_and_readers(store, index):
+    chains = {seed: block_hashes(prompt(6, seed), FP, "t", 16) for seed in range(50, 58)}
+    data = {seed: latents(6, seed) for seed in chains}
+
+    async def writer(seed):
+        await store.save(chains[seed], data[seed])
+        await store.save(chains[seed], data[seed])  # the same blocks twice: still consistent
+
+    async def reader(seed):
+        for _ in range(10):
+            hit = await index.lookup(chains[seed])
+            layers, valid = await read_all(store, hit)
+            for got, want in zip(layers, data[seed]):
+                assert np.array_equal(got[:valid].view(np.uint16), want[:valid].view(np.uint16))
+            await asyncio.sleep(0.005)
+
+    await asyncio.gather(*(writer(s) for s in chains), *(reader(s) for s in chains))
+    for seed in chains:
+        assert (await index.lookup(chains[seed])).blocks == 6
+    assert store.stats.verification_failures == 0
+
+
+async def test_non_file_volume_through_tensorstore(tmp_path, index):
+    store = await BlockStore.open([{"driver": "memory"}], GEOMETRY, FP, index, threads=2, max_segment_blocks=3)
+    try:
+        hashes = block_hashes(prompt(5, 60), FP, "t", 16)
+        data = latents(5, 60)
+        await store.save(hashes, data)
+        layers, valid = await read_all(store, await index.lookup(hashes))
+        assert valid == 80 and np.array_equal(layers[1].view(np.uint16), data[1].view(np.uint16))
+    finally:
+        await store.close()
