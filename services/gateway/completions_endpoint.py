@@ -6,6 +6,7 @@ import json
 import logging
 import time
 import uuid
+from contextlib import aclosing
 
 from aiohttp import web
 
@@ -71,11 +72,12 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
     try:
         async with state.router.generation(job) as generation:
             state.metrics.ttft_seconds.observe(time.monotonic() - request[ARRIVED])
-            answer = answer_events(generation, len(tokens), state.tokenizer, parsed.stop, eos)
-            if parsed.stream:
-                return await _stream(request, state, header, answer, parsed, chat)
-            return await _whole(state, header, answer, chat)
-    except (asyncio.CancelledError, ConnectionResetError):
+            async with aclosing(answer_events(generation, len(tokens), state.tokenizer,
+                                              parsed.stop, eos)) as answer:
+                if parsed.stream:
+                    return await _stream(request, state, header, answer, parsed, chat)
+                return await _whole(state, header, answer, chat)
+    except asyncio.CancelledError:  # the client went away (handler_cancellation)
         state.metrics.client_disconnects.inc()
         log.info("request %s: client went away, generation cancelled", header.id)
         raise
@@ -88,9 +90,11 @@ def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool) -> Usag
     state.metrics.prompt_tokens.labels("hit").inc(usage.cached_tokens)
     state.metrics.prompt_tokens.labels("miss").inc(usage.prompt_tokens - usage.cached_tokens)
     state.metrics.completion_tokens.inc(usage.completion_tokens)
-    if chat and not end.stopped_by_string:
+    added = state.tokenizer.added_token_ids
+    if chat and not end.stopped_by_string and not any(t in added for t in end.token_ids):
         # The next turn re-sends this answer: render it as the ids the model generated, so the
-        # new prompt extends exactly the tokens whose cache the engine saved.
+        # new prompt extends exactly the tokens whose cache the engine saved. Answers with
+        # special-looking tokens are left to plain BPE, so no text can map to a turn boundary.
         state.token_cache.remember("assistant", text, end.token_ids)
     return usage
 
@@ -126,38 +130,46 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
         payload = chunk if isinstance(chunk, str) else json.dumps(chunk, ensure_ascii=False)
         await response.write(f"data: {payload}\n\n".encode())
 
-    include = parsed.include_usage
+    try:
+        try:
+            await _send_answer(send, state, header, answer, parsed.include_usage, chat)
+        except EngineUnavailable as failure:
+            state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
+            log.warning("request %s: engine failed mid-stream: %s", header.id, failure)
+            await send(OpenAIError("The engine failed while generating the answer.",
+                                   code="engine_failed", status=503,
+                                   error_type="service_unavailable_error").body())
+            return response
+        await send("[DONE]")
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away; leaving the generation cancels it
+        state.metrics.client_disconnects.inc()
+        log.info("request %s: client went away mid-stream, generation cancelled", header.id)
+    return response
+
+
+async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer,
+                       include_usage: bool, chat: bool) -> None:
     if chat:
         await send(chat_chunk(header, {"role": "assistant", "content": ""},
-                              include_usage_field=include))
+                              include_usage_field=include_usage))
     parts: list[str] = []
-    try:
-        async for item in answer:
-            if isinstance(item, AnswerDelta):
-                parts.append(item.text)
-                await send(chat_chunk(header, {"content": item.text}, include_usage_field=include)
-                           if chat else text_completion(header, item.text, None,
-                                                        include_usage_field=include))
-                continue
-            usage = _account(state, item, "".join(parts), chat)
-            # OpenAI sends usage in an extra choice-less chunk when asked; DeepSeek always puts
-            # it on the last chunk. Either way it appears exactly once.
-            last_usage = None if include else usage
-            await send(chat_chunk(header, {}, item.finish_reason, last_usage,
-                                  include_usage_field=include) if chat
-                       else text_completion(header, "", item.finish_reason, last_usage,
-                                            include_usage_field=include))
-            if include:
-                await send(usage_chunk(header, "chat.completion.chunk" if chat
-                                       else "text_completion", usage))
-    except EngineUnavailable as failure:
-        state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
-        log.warning("request %s: engine failed mid-stream: %s", header.id, failure)
-        error = OpenAIError("The engine failed while generating the answer.",
-                            code="engine_failed", status=503,
-                            error_type="service_unavailable_error")
-        await send(error.body())
-        return response
-    await send("[DONE]")
-    await response.write_eof()
-    return response
+    async for item in answer:
+        if isinstance(item, AnswerDelta):
+            parts.append(item.text)
+            await send(chat_chunk(header, {"content": item.text},
+                                  include_usage_field=include_usage) if chat
+                       else text_completion(header, item.text, None,
+                                            include_usage_field=include_usage))
+            continue
+        usage = _account(state, item, "".join(parts), chat)
+        # OpenAI sends usage in an extra choice-less chunk when asked; DeepSeek always puts it
+        # on the last chunk. Either way it appears exactly once.
+        last_usage = None if include_usage else usage
+        await send(chat_chunk(header, {}, item.finish_reason, last_usage,
+                              include_usage_field=include_usage) if chat
+                   else text_completion(header, "", item.finish_reason, last_usage,
+                                        include_usage_field=include_usage))
+        if include_usage:
+            await send(usage_chunk(header, "chat.completion.chunk" if chat else "text_completion",
+                                   usage))

@@ -72,9 +72,10 @@ class EnginePool:
         engine.routable, engine.last_error = True, ""
 
     def ranked(self) -> list[EngineState]:
-        """Routable engines, least loaded first."""
+        """Routable engines, least loaded first: by this gateway's requests in flight, then by
+        the engine's own count at the last probe (which includes other gateways' requests)."""
         return sorted((e for e in self.engines if e.routable and e.stats is not None),
-                      key=lambda e: e.in_flight)
+                      key=lambda e: (e.in_flight, e.stats.in_flight))
 
     def mark_failed(self, engine: EngineState, reason: str) -> None:
         log.warning("engine %s failed a request: %s", engine.client.url, reason)
