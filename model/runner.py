@@ -53,7 +53,7 @@ def _head(graphdef, state, x_TD, index):
     return nnx.merge(graphdef, state)(x_TD, index)
 
 
-@partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
+@partial(jax.jit, static_argnums=(1,))
 def _grow(cache_SA: jax.Array, capacity: int) -> jax.Array:
     return jnp.pad(cache_SA, ((0, capacity - cache_SA.shape[0]), (0, 0)))
 

@@ -1,0 +1,55 @@
+"""`deepinfer` command line: model weights now; the stack (`up`) and benchmarks join as they land."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from model.config import preset
+    from model.weights import init_model, save_model
+
+    cfg = preset(args.preset, **({"init_seed": args.seed} if args.seed is not None else {}))
+    saved = save_model(init_model(cfg, progress=True), cfg, args.out)
+    print(f"saved {cfg.name} to {args.out} (fingerprint {saved.fingerprint})")
+    return 0
+
+
+def _model_convert(args: argparse.Namespace) -> int:
+    from model.convert import convert
+
+    saved = convert(args.hf, args.out, name=args.name)
+    print(f"converted {args.hf} -> {args.out} (fingerprint {saved.fingerprint})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model = commands.add_parser("model", help="create or convert model weights").add_subparsers(
+        dest="model_command", required=True)
+    init = model.add_parser("init", help="deterministic random weights for a preset, saved with orbax")
+    init.add_argument("--preset", default="mini", help="tiny, mini, deepseek-v2-lite, deepseek-v3")
+    init.add_argument("--out", required=True, help="directory to create")
+    init.add_argument("--seed", type=int, default=None, help="override the preset's init seed")
+    init.set_defaults(run=_model_init)
+    conv = model.add_parser("convert", help="Hugging Face DeepSeek-V2/V3 safetensors -> DeepInfer model")
+    conv.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+    conv.add_argument("--out", required=True, help="directory to create")
+    conv.add_argument("--name", default=None, help="model name (default: the HF directory's name)")
+    conv.set_defaults(run=_model_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        print(f"deepinfer: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
