@@ -1,4 +1,6 @@
 """The DeepSeek-V3 chat template against the real DeepSeek tokenizer."""
+import json
+
 import pytest
 
 from services.gateway.chat_template import ChatMessage, render_chat, render_completion
@@ -101,3 +103,9 @@ def test_completion_prompt_is_bos_then_text(cache):
     assert tokens[0] == cache.tokenizer.special.bos
     assert cache.tokenizer.special.eos not in tokens[1:]
     assert cache.tokenizer.decode(tokens) == "def f(x):<｜end▁of▁sentence｜>"
+
+
+def test_lone_surrogates_from_json_become_replacement_characters(cache):
+    text = json.loads('"a\\ud800b \\ud83c\\udf89"')  # a lone surrogate, then a valid pair
+    tokens = render_chat([ChatMessage("user", text)], cache)
+    assert cache.tokenizer.decode(tokens[2:-1]) == "a\ufffdb 🎉"

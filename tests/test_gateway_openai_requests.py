@@ -123,7 +123,9 @@ VALUES = [None, True, False, 0, 1, -1, 2, 1.0, 0.5, 1.5, 2.5, 40, 2 ** 63, "", "
 MESSAGES = [[], [{"role": "user", "content": "hi"}], [{"role": "assistant"}], [{"role": "user"}],
             [{"role": "system", "content": [{"type": "text", "text": "a"}]}],
             [{"role": "user", "content": [{"type": "image"}]}], [{"role": "tool", "content": "x"}],
-            [{"role": "user", "content": None}], ["hi"], [{"role": "assistant", "content": 1}]]
+            [{"role": "user", "content": None}], ["hi"], [{"role": "assistant", "content": 1}],
+            [{"role": "user", "content": "x", "name": 5}],
+            [{"role": "user", "content": [{"type": "text", "text": "a", "extra": 1}]}]]
 FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "n", "stop", "stream", "stream_options", "user", "retention", "unknown"]
 

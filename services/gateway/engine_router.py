@@ -24,6 +24,7 @@ from services.gateway.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
+_TOP_K_MAX = 2 ** 31 - 1  # any k beyond the vocabulary means "all tokens"; keep it int32
 _HASH_IN_THREAD_TOKENS = 16_384  # hashing ~0.1 ms per block; above this, keep the loop free
 
 
@@ -146,7 +147,7 @@ def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_token
         "max_tokens": max_tokens,
         "temperature": job.sampling.temperature,
         "top_p": job.sampling.top_p,
-        "top_k": job.sampling.top_k,
+        "top_k": min(job.sampling.top_k, _TOP_K_MAX),
         "seed": job.sampling.seed,
         "stop_token_ids": list(job.stop_token_ids),
         "retention": job.retention,

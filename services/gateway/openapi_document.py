@@ -67,7 +67,6 @@ def _request_schemas(vocab_size: int) -> dict:
                 "content": {"anyOf": [{"type": "string"},
                                       {"type": "array", "items": _ref("TextPart")},
                                       {"type": "null"}]},
-                "name": {"type": "string"},
             },
             # Only an assistant message may leave its content out or null.
             "if": {"properties": {"role": {"const": "assistant"}}},

@@ -40,6 +40,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars)}
 
 
+def _without_lone_surrogates(text: str) -> str:
+    """Each unpaired UTF-16 surrogate becomes U+FFFD, as a UTF-8 decoder would show it."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class DeepSeekTokenizer:
     def __init__(self, tokenizer_json: Path = DEFAULT_TOKENIZER_JSON):
         spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
@@ -79,12 +84,16 @@ class DeepSeekTokenizer:
         return table
 
     def encode_text(self, text: str) -> list[int]:
-        return self._text_only.encode(text, add_special_tokens=False).ids
+        return self.encode_texts([text])[0]
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
         """Batch form of encode_text; the Rust side spreads the batch over CPU cores."""
-        return [encoding.ids for encoding in
-                self._text_only.encode_batch_fast(texts, add_special_tokens=False)]
+        try:
+            encodings = self._text_only.encode_batch_fast(texts, add_special_tokens=False)
+        except TypeError:  # JSON allows lone surrogates ("\ud800"); Rust strings do not
+            encodings = self._text_only.encode_batch_fast(
+                [_without_lone_surrogates(text) for text in texts], add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._token_bytes[token_id]
