@@ -77,6 +77,9 @@ class EngineClient:
     async def stats(self) -> EngineStats:
         async with self._session.get(f"{self.url}/admin/stats", headers=self._admin_headers,
                                      timeout=self._probe_timeout) as response:
+            if response.status in (401, 403):
+                raise PermissionError(f"/admin/stats answered {response.status}: the gateway's "
+                                      "admin_token must be the engine's admin token")
             response.raise_for_status()
             body = await response.json(content_type=None)
         return EngineStats(fingerprint=str(body["fingerprint"]), model=str(body["model"]),

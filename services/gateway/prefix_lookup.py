@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Sequence
 
 from kvstore.index import PrefixIndex
@@ -14,6 +15,8 @@ from kvstore.location import Hit, miss
 from services.gateway.gateway_metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+_FAILURE_LOG_INTERVAL_S = 10.0  # with Redis down every request fails its lookup; log a few
 
 
 def usable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -27,6 +30,7 @@ class PrefixLookup:
         self._index = index
         self._timeout_s = timeout_s
         self._metrics = metrics
+        self._last_failure_log = -_FAILURE_LOG_INTERVAL_S
 
     async def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, block_tokens: int) -> Hit:
         hashes = hashes[:usable_blocks(prompt_tokens, block_tokens)]
@@ -35,9 +39,13 @@ class PrefixLookup:
         try:
             hit = await asyncio.wait_for(self._index.lookup(hashes), self._timeout_s)
         except Exception as error:  # any index failure is a miss, never the user's error
-            log.warning("prefix lookup of %d blocks failed, serving as a miss: %r",
-                        len(hashes), error)
             self._metrics.lookup_failures.inc()
+            now = time.monotonic()
+            if now - self._last_failure_log >= _FAILURE_LOG_INTERVAL_S:
+                self._last_failure_log = now
+                log.warning("prefix lookup of %d blocks failed, serving as a miss (logged at "
+                            "most every %.0f s; see gateway_prefix_lookup_failures_total): %r",
+                            len(hashes), _FAILURE_LOG_INTERVAL_S, error)
             return miss()
         hit = hit.truncated(len(hashes))
         self._metrics.lookup_hit_tokens.inc(hit.blocks * block_tokens)
