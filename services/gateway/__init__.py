@@ -1,0 +1,11 @@
+"""The gateway: the public OpenAI/DeepSeek-compatible API in front of the engines.
+
+Request path, one file per step:
+  openai_requests     body -> frozen request dataclass (errors: openai_errors)
+  chat_template       messages -> token ids (tokenizer, token_cache)
+  engine_router       block hashes + prefix_lookup + least-loaded engine (engine_pool,
+                      engine_client), retried until the first token
+  answer_stream       engine tokens -> text deltas (detokenizer, stop_strings)
+  completions_endpoint  JSON or SSE in the OpenAI wire format (openai_responses)
+app wires the routes; config is the one GatewayConfig; openapi_document is /openapi.json.
+"""

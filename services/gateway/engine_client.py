@@ -136,8 +136,15 @@ def _retry_after(value: str | None) -> int | None:
 
 
 async def _error_of(response: aiohttp.ClientResponse) -> dict:
+    """{"message", "param"?, "code"?} from an engine's 400: OpenAI form {"error": {...}} or the
+    services' common form {"error": "message", "field": "name"}."""
     try:
         body = await response.json(content_type=None)
-        return body["error"] if isinstance(body.get("error"), dict) else {"message": str(body)}
-    except (ValueError, AttributeError, aiohttp.ClientError):
+    except (ValueError, aiohttp.ClientError):
         return {"message": (await response.text())[:500]}
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return error
+    if isinstance(error, str):
+        return {"message": error, "param": body.get("field")}
+    return {"message": str(body)[:500]}

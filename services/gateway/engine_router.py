@@ -154,8 +154,13 @@ def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_token
     }
 
 
+# Engine fields a user set by name; any other field the engine blames (e.g. "tokens") is the prompt.
+_USER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
 def _user_error(rejected: EngineRejected, prompt_param: str) -> OpenAIError:
     error = rejected.error
+    param = error.get("param")
     return OpenAIError(str(error.get("message") or "The engine rejected the request."),
-                       param=error.get("param") or prompt_param,
+                       param=param if param in _USER_FIELDS else prompt_param,
                        code=error.get("code") or "invalid_value")

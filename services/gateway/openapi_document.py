@@ -201,8 +201,8 @@ def _plain(summary: str, content_type: str = "application/json", *, admin: bool 
     return {"get": operation}
 
 
-def openapi_document(vocab_size: int, server_url: str | None = None) -> dict:
-    document = {
+def openapi_document(vocab_size: int) -> dict:
+    return {
         "openapi": "3.1.0",
         "info": {"title": "DeepInfer gateway", "version": "0.1.0",
                  "description": "OpenAI/DeepSeek-compatible API. Usage reports prompt-cache hits."},
@@ -226,6 +226,3 @@ def openapi_document(vocab_size: int, server_url: str | None = None) -> dict:
         },
         "security": [{"bearer": []}],
     }
-    if server_url:
-        document["servers"] = [{"url": server_url}]
-    return document
