@@ -87,6 +87,10 @@ class VolumeLedger:
         raw = await self.redis.hgetall(self._keys(volume)[0])
         return [_record(seg, value) for seg, value in raw.items()]
 
+    async def record(self, volume: str, segment: str) -> SegmentRecord | None:
+        value = await self.redis.hget(self._keys(volume)[0], segment)
+        return None if value is None else _record(segment, value)
+
     async def least_recent(self, volume: str, count: int) -> list[SegmentRecord]:
         """Up to `count` live segments of `volume`, least recently hit first."""
         segs, _, lru, _ = self._keys(volume)

@@ -3,16 +3,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from .geometry import CacheGeometry
 from .location import Hit
 
-if TYPE_CHECKING:
-    from .store import BlockStore
-
 log = logging.getLogger(__name__)
+
+
+class LayerRead(NamedTuple):
+    latents: np.ndarray          # (valid_blocks * block_tokens, latent_dim), cache dtype
+    valid_blocks: int
+
+
+class LayerSource(Protocol):
+    """Where a Prefetch reads from: a local BlockStore, or a kvstore service over HTTP.
+
+    read_layer never raises for cache faults: it returns fewer valid blocks.
+    """
+
+    geometry: CacheGeometry
+
+    async def begin_read(self, hit: Hit) -> tuple[Any, int]:
+        """Start reading `hit`: (context for read_layer, leading blocks that may be valid)."""
+
+    async def read_layer(self, hit: Hit, layer: int, context: Any = None) -> LayerRead:
+        """One layer of `hit`'s leading blocks, verified."""
+
+    def end_read(self, hit: Hit) -> None:
+        """The prefetch of `hit` is over (its segments may be deleted now)."""
 
 
 class Prefetch:
@@ -20,57 +41,55 @@ class Prefetch:
 
     Invariants: `await layer(l)` returns (tokens, latent_dim) in cache dtype holding only
     verified rows, tokens a multiple of block_tokens and never more than any earlier layer's;
-    a cache fault (missing or corrupt data, wrong fingerprint) only shortens the result and
-    never raises. The prefix the caller may use for every layer is `await valid_tokens()`,
-    known once all layers are verified.
+    a cache fault (missing or corrupt data, wrong fingerprint, a service down) only shortens
+    the result and never raises. The prefix the caller may use for every layer is
+    `await valid_tokens()`, known once all layers are verified.
     """
 
-    def __init__(self, store: "BlockStore", hit: Hit, read_ahead: int) -> None:
+    def __init__(self, source: LayerSource, hit: Hit, read_ahead: int) -> None:
         self.hit = hit
-        self._store = store
+        self._source = source
+        self._geometry = source.geometry
         self._valid_blocks = hit.blocks
         self._slots = asyncio.Semaphore(max(1, read_ahead))
-        self._layers: list[asyncio.Future] = [
-            asyncio.get_running_loop().create_future() for _ in range(store.geometry.num_layers)]
+        loop = asyncio.get_running_loop()
+        self._layers: list[asyncio.Future] = [loop.create_future() for _ in range(self._geometry.num_layers)]
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        store = self._store
-        segments = {run.segment for run in self.hit.runs}
-        store.hold(segments)
+        tasks: list[asyncio.Task] = []
         try:
-            headers = await store.verified_headers(self.hit)
-            self._valid_blocks = min(self._valid_blocks, headers.valid_blocks)
-            tasks = []
+            context, valid = await self._source.begin_read(self.hit)
+            self._valid_blocks = min(self._valid_blocks, valid)
             for layer in range(len(self._layers)):
                 await self._slots.acquire()
-                tasks.append(asyncio.create_task(self._read(layer, headers)))
+                tasks.append(asyncio.create_task(self._read(layer, context)))
             await asyncio.gather(*tasks)
         except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
             raise
         except Exception:  # a cache fault must not reach the caller: degrade to a miss
             log.exception("prefetch of %d blocks failed; serving a miss", self.hit.blocks)
-            store.stats.verification_failures += 1
             self._valid_blocks = 0
             self._fail_rest()
         finally:
-            store.release(segments)
+            self._source.end_read(self.hit)
 
-    async def _read(self, layer: int, headers) -> None:
+    async def _read(self, layer: int, context: Any) -> None:
         try:
-            blocks = self._valid_blocks
-            read = await self._store.read_layer(self.hit.truncated(blocks), layer, headers)
+            read = await self._source.read_layer(self.hit.truncated(self._valid_blocks), layer, context)
             self._valid_blocks = min(self._valid_blocks, read.valid_blocks)
             if layer > 0:  # deliver in layer order, so a later layer is never longer than an earlier one
                 await asyncio.shield(self._layers[layer - 1])
-            rows = self._valid_blocks * self._store.geometry.block_tokens
+            rows = self._valid_blocks * self._geometry.block_tokens
             if not self._layers[layer].done():
                 self._layers[layer].set_result(read.latents[:rows])
         finally:
             self._slots.release()
 
     def _fail_rest(self) -> None:
-        empty = np.empty((0, self._store.geometry.latent_dim), self._store.geometry.np_dtype)
+        empty = np.empty((0, self._geometry.latent_dim), self._geometry.np_dtype)
         for fut in self._layers:
             if not fut.done():
                 fut.set_result(empty)
@@ -82,10 +101,10 @@ class Prefetch:
     async def valid_tokens(self) -> int:
         """Tokens valid in every layer (waits for all layers)."""
         await asyncio.gather(*(asyncio.shield(f) for f in self._layers))
-        return self._valid_blocks * self._store.geometry.block_tokens
+        return self._valid_blocks * self._geometry.block_tokens
 
     def cancel(self) -> None:
-        """Stop reading; layers not yet delivered come back empty."""
+        """Stop reading; layers not yet delivered come back empty and valid_tokens() is 0."""
         self._task.cancel()
         self._valid_blocks = 0
         self._fail_rest()

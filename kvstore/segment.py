@@ -75,6 +75,10 @@ class SegmentFormatError(ValueError):
     """The stored bytes are not a segment header this code can trust."""
 
 
+class SegmentMissing(SegmentFormatError):
+    """No segment object under that id (never written, or deleted)."""
+
+
 def header_length(preamble: bytes) -> int:
     if len(preamble) < PREAMBLE_BYTES or preamble[:8] != MAGIC:
         raise SegmentFormatError("bad magic")

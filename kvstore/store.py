@@ -16,11 +16,11 @@ from .geometry import CacheGeometry
 from .index import PrefixIndex
 from .ledger import SegmentRecord, VolumeLedger
 from .location import BlockLocation, Hit
-from .prefetch import Prefetch
+from .prefetch import LayerRead, Prefetch
 from .retention import RetentionPolicy
 from .hashing import HASH_BYTES
-from .segment import (PREAMBLE_BYTES, data_offset_for, SegmentFormatError, SegmentHeader, block_checksums,
-                      decode_header, encode_segment, header_length)
+from .segment import (PREAMBLE_BYTES, SegmentFormatError, SegmentHeader, SegmentMissing, block_checksums,
+                      data_offset_for, decode_header, encode_segment, header_length)
 from .stats import StoreStats
 from .volume import Volume
 
@@ -33,11 +33,6 @@ class SaveResult(NamedTuple):
     blocks: int                  # blocks written and published
     segments: tuple[str, ...]    # segment ids, in block order
     bytes: int                   # segment object bytes written
-
-
-class LayerRead(NamedTuple):
-    latents: np.ndarray          # (valid_blocks * block_tokens, latent_dim), cache dtype
-    valid_blocks: int
 
 
 class HeaderCheck(NamedTuple):
@@ -208,6 +203,8 @@ class BlockStore:
         if volume is None:
             raise SegmentFormatError(f"unknown volume {volume_id}")
         head = await volume.read(segment, 0, 4096)
+        if not head:
+            raise SegmentMissing(f"segment {segment} is not on volume {volume_id}")
         length = header_length(head)
         if PREAMBLE_BYTES + length > len(head):
             head = await volume.read(segment, 0, PREAMBLE_BYTES + length)
@@ -300,10 +297,14 @@ class BlockStore:
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
-    def hold(self, segments: set[str]) -> None:
-        self.readers.update(segments)
+    async def begin_read(self, hit: Hit) -> tuple[HeaderCheck, int]:
+        """LayerSource: hold the hit's segments against deletion, verify their headers."""
+        self.readers.update({r.segment for r in hit.runs})
+        check = await self.verified_headers(hit)
+        return check, check.valid_blocks
 
-    def release(self, segments: set[str]) -> None:
+    def end_read(self, hit: Hit) -> None:
+        segments = {r.segment for r in hit.runs}
         self.readers.subtract(segments)
         for s in segments:
             if self.readers[s] <= 0:

@@ -1,0 +1,22 @@
+"""GET /healthz (the process is alive) and GET /readyz (every dependency answers)."""
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+# A readiness probe: dependency name -> reachable. Must not raise.
+Readiness = Callable[[], Awaitable[dict[str, bool]]]
+
+
+def add_health_routes(app: web.Application, readiness: Readiness) -> None:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        checks = await readiness()
+        ready = all(checks.values())
+        return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)

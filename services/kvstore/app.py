@@ -1,0 +1,136 @@
+"""The kvstore service: segment writes, verified layer reads and deletes over HTTP."""
+from __future__ import annotations
+
+import logging
+
+import msgpack
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvstore import BlockStore, PrefixIndex, SegmentWriteError, open_redis
+from kvstore.location import SEGMENT_ID
+from kvstore.segment import SegmentMissing
+from services.common import (RequestError, add_health_routes, add_metrics_route, admin_auth_middleware,
+                             error_middleware)
+
+from . import wire
+from .admin_routes import add_admin_routes
+from .config import KvstoreConfig
+from .metrics import StoreCollector
+
+log = logging.getLogger(__name__)
+
+STORE = web.AppKey("store", BlockStore)
+CONFIG = web.AppKey("config", KvstoreConfig)
+
+
+def create_app(config: KvstoreConfig) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_mib << 20,
+                          middlewares=[error_middleware, admin_auth_middleware(config.admin_token)])
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_store_lifecycle)
+    app.router.add_post("/v1/segments", save_segments)
+    app.router.add_delete("/v1/segments/{segment}", delete_segment)
+    app.router.add_post("/v1/read", read_layer)
+    app.router.add_post("/v1/lookup", lookup)
+
+    async def readiness() -> dict[str, bool]:
+        store = app[STORE]
+        checks = {"redis": await store.index.ping()}
+        for vid, volume in store.volumes.items():
+            checks[f"volume:{vid}"] = await volume.reachable()
+        return checks
+
+    add_health_routes(app, readiness)
+    registry = CollectorRegistry()
+    collector_box: list[StoreCollector] = []
+
+    async def refresh() -> None:
+        if not collector_box:
+            collector_box.append(StoreCollector(app[STORE]))
+            registry.register(collector_box[0])
+        await collector_box[0].refresh()
+
+    add_metrics_route(app, registry, before=refresh)
+    add_admin_routes(app, STORE)
+    return app
+
+
+async def _store_lifecycle(app: web.Application):
+    config = app[CONFIG]
+    redis = open_redis(config.redis_url, cluster=config.redis_cluster)
+    index = PrefixIndex(redis, config.index_prefix)
+    store = await BlockStore.open(
+        config.volumes, config.geometry, config.fingerprint, index, threads=config.io_threads,
+        budget_bytes=config.budget_bytes, max_segment_blocks=config.max_segment_blocks,
+        read_ahead=config.read_ahead, reader_grace_s=config.reader_grace_s)
+    if config.sweep_interval_s > 0:
+        store.capacity.start(config.sweep_interval_s)
+    app[STORE] = store
+    log.info("kvstore serving %s on %d volumes", config.fingerprint, len(store.volumes))
+    yield
+    await store.close()
+    await redis.aclose()
+
+
+async def _message(request: web.Request) -> dict:
+    return wire.unpack(await request.read())
+
+
+async def save_segments(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    message = await _message(request)
+    wire.check_model(message, store.fingerprint, store.geometry)
+    save = wire.parse_save(message, store.geometry)
+    try:
+        result = await store.save(save.hashes, save.layers, start_block=save.start_block, tenant=save.tenant,
+                                  retention=save.retention, ttl_s=save.ttl_s)
+    except ValueError as e:
+        raise RequestError(400, str(e), str(e).split(" ", 1)[0]) from None
+    except SegmentWriteError as e:
+        log.error("save failed: %s", e)
+        raise RequestError(503, f"could not store the segment: {e}") from None
+    return web.json_response({"blocks": result.blocks, "segments": list(result.segments), "bytes": result.bytes})
+
+
+async def read_layer(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    message = await _message(request)
+    wire.check_model(message, store.fingerprint, store.geometry)
+    read = wire.parse_read(message, store.geometry)
+    for i, run in enumerate(read.hit.runs):
+        if run.volume not in store.volumes:
+            raise RequestError(404, f"unknown volume {run.volume}", f"runs[{i}]")
+    try:
+        await store.header(read.hit.runs[0].volume, read.hit.runs[0].segment)
+    except SegmentMissing:
+        raise RequestError(404, f"unknown segment {read.hit.runs[0].segment}", "runs[0]") from None
+    except Exception:  # corrupt header: read_layer below counts it and serves a miss
+        pass
+    context, _ = await store.begin_read(read.hit)
+    try:
+        result = await store.read_layer(read.hit, read.layer, context)
+    finally:
+        store.end_read(read.hit)
+    return web.Response(body=result.latents.view("uint8").tobytes(), content_type="application/octet-stream",
+                        headers={wire.VALID_BLOCKS_HEADER: str(result.valid_blocks)})
+
+
+async def lookup(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    message = await _message(request)
+    hit = await store.index.lookup(wire._hashes(message))
+    return web.Response(body=msgpack.packb(wire.encode_hit(hit)), content_type=wire.MSGPACK)
+
+
+async def delete_segment(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    segment = request.match_info["segment"]
+    if not SEGMENT_ID.match(segment):
+        raise RequestError(400, "segment id must be 32 lowercase hex digits", "segment")
+    for vid in store.volumes:
+        record = await store.ledger.record(vid, segment)
+        if record is not None:
+            await store.capacity.retire(vid, record)
+            return web.json_response({"deleted": segment, "volume": vid})
+    raise RequestError(404, f"unknown segment {segment}", "segment")

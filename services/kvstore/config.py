@@ -1,0 +1,48 @@
+"""KvstoreConfig: every setting of the kvstore service, with its one default."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore import CacheGeometry
+
+
+@dataclass(slots=True)
+class KvstoreConfig:
+    """The kvstore service: latent block segments on volumes, indexed in Redis."""
+
+    fingerprint: str = field(metadata={"help": "model fingerprint this kvstore stores caches of"})
+    num_layers: int = field(metadata={"help": "cache geometry: model layers"})
+    latent_dim: int = field(default=576, metadata={"help": "cache geometry: latent dims per token"})
+    block_tokens: int = field(default=64, metadata={"help": "cache geometry: tokens per block"})
+    dtype: str = field(default="bfloat16", metadata={"help": "cache geometry: cache dtype"})
+    volumes: list[str] = field(default_factory=list, metadata={
+        "flag": "volume", "help": "a volume: directory or tensorstore kvstore URL (repeatable)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8100, metadata={"help": "port to bind"})
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "prefix index Redis URL"})
+    redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster node"})
+    index_prefix: str = field(default="dikv", metadata={"help": "Redis key prefix"})
+    admin_token: str = field(default="", metadata={"help": "bearer token for /admin/* (empty: admin off)"})
+    budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume in GiB (0: unlimited)"})
+    max_body_mib: int = field(default=512, metadata={"help": "largest request body accepted (MiB)"})
+    max_segment_blocks: int = field(default=64, metadata={"help": "blocks per segment at most"})
+    read_ahead: int = field(default=2, metadata={"help": "layers in flight per prefetch"})
+    io_threads: int = field(default=4, metadata={"help": "threads for volume reads and checksums"})
+    sweep_interval_s: float = field(default=60.0, metadata={"help": "seconds between expiry sweeps (0: off)"})
+    reader_grace_s: float = field(default=30.0, metadata={"help": "seconds a retired segment stays readable"})
+
+    def __post_init__(self) -> None:
+        if not self.volumes:
+            raise ValueError("at least one --volume (DEEPINFER_KVSTORE_VOLUMES) is required")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.budget_gib < 0 or self.max_body_mib < 1:
+            raise ValueError("--budget-gib must be >= 0 and --max-body-mib >= 1")
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return CacheGeometry(self.num_layers, self.latent_dim, self.block_tokens, self.dtype)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return int(self.budget_gib * (1 << 30)) or None

@@ -1,0 +1,251 @@
+"""The kvstore service as a real process (python -m services.kvstore), over real HTTP."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import json
+import urllib.error
+import urllib.request
+from typing import NamedTuple
+
+import aiohttp
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore import CacheGeometry, block_hashes
+from services.kvstore.client import KvstoreClient, KvstoreError
+from tests.conftest import free_port
+
+GEOMETRY = CacheGeometry(num_layers=4, latent_dim=576, block_tokens=16)
+FP = "svc-model-fp"
+TOKEN = "s3cret-admin"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Reply(NamedTuple):
+    status_code: int
+    content: bytes
+
+    def json(self):
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode()
+
+
+def call(method: str, url: str, data: bytes | None = None, headers: dict | None = None, json_body=None,
+         timeout: float = 10.0) -> Reply:
+    """One real HTTP request (stdlib urllib); 4xx/5xx come back as a Reply, not an exception."""
+    headers = dict(headers or {})
+    if json_body is not None:
+        data, headers["Content-Type"] = json.dumps(json_body).encode(), "application/json"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return Reply(response.status, response.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read())
+
+
+class requests:  # the few calls these tests need, in the shape of the familiar library
+    get = staticmethod(lambda url, headers=None, timeout=10.0: call("GET", url, headers=headers, timeout=timeout))
+    delete = staticmethod(lambda url, headers=None: call("DELETE", url, headers=headers))
+    post = staticmethod(lambda url, data=None, headers=None, json=None: call("POST", url, data, headers, json))
+
+
+def start_service(tmp_path, redis_url: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    args = [sys.executable, "-m", "services.kvstore", "--port", str(port), "--fingerprint", FP,
+            "--num-layers", "4", "--block-tokens", "16", "--volume", str(tmp_path / "v0"),
+            "--volume", str(tmp_path / "v1"), "--redis-url", redis_url, "--max-body-mib", "4",
+            "--max-segment-blocks", "4", "--reader-grace-s", "0", "--sweep-interval-s", "0", *extra]
+    env = dict(os.environ, DEEPINFER_KVSTORE_ADMIN_TOKEN=TOKEN)
+    log = open(tmp_path / f"kvstore-{port}.log", "wb")
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp_path / f"kvstore-{port}.log").read_text())
+        try:
+            if requests.get(url + "/healthz", timeout=0.5).status_code == 200:
+                return proc, url
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("kvstore service did not come up")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, valkey_server):
+    tmp = tmp_path_factory.mktemp("kvstore-svc")
+    proc, url = start_service(tmp, valkey_server.connection_url, "--index-prefix", "svc")
+    yield url, tmp
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def client(service):
+    c = KvstoreClient(service[0], GEOMETRY, FP)
+    yield c
+    await c.close()
+
+
+def prompt(n_blocks: int, seed: int) -> list[int]:
+    return [(seed * 9973 + i) % 40_000 for i in range(n_blocks * 16)]
+
+
+def latents(n_blocks: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n_blocks * 16, 576), dtype=np.float32).astype(GEOMETRY.np_dtype)
+            for _ in range(GEOMETRY.num_layers)]
+
+
+def segment_files(tmp) -> set[str]:
+    return {f for v in ("v0", "v1") if (tmp / v / "segments").exists() for f in os.listdir(tmp / v / "segments")}
+
+
+async def test_health_and_readiness(service):
+    url, _ = service
+    assert requests.get(url + "/healthz").json() == {"status": "ok"}
+    ready = requests.get(url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    assert len([k for k in ready.json()["checks"] if k.startswith("volume:")]) == 2
+
+
+async def test_save_lookup_prefetch_through_the_service(client):
+    hashes = block_hashes(prompt(6, 1), FP, "tenant-a", 16)
+    data = latents(6, 1)
+    result = await client.save(hashes, data, tenant="tenant-a")
+    assert result.blocks == 6 and len(result.segments) == 2
+    hit = await client.lookup(hashes)
+    assert hit.blocks == 6
+    p = client.prefetch(hit)
+    for layer in range(GEOMETRY.num_layers):
+        got = await p.layer(layer)
+        assert np.array_equal(got.view(np.uint16), data[layer].view(np.uint16))
+    assert await p.valid_tokens() == 96
+
+
+async def test_bad_requests_are_clear_4xx_and_write_nothing(service):
+    url, tmp = service
+    before = segment_files(tmp)
+    hashes = block_hashes(prompt(2, 2), FP, "t", 16)
+    good = {"fingerprint": FP, "geometry": GEOMETRY.as_dict(), "hashes": hashes,
+            "layers": [x.view(np.uint8).tobytes() for x in latents(2, 2)]}
+
+    def post(path, body):
+        return requests.post(url + path, data=body, headers={"Content-Type": "application/msgpack"})
+
+    r = post("/v1/segments", b"\xc1\xff not msgpack")
+    assert r.status_code == 400 and r.json()["field"] == "body"
+    r = post("/v1/segments", msgpack.packb({k: v for k, v in good.items() if k != "hashes"}))
+    assert r.status_code == 400 and r.json()["field"] == "hashes"
+    r = post("/v1/segments", msgpack.packb(good | {"layers": good["layers"][:1] * 4 + [b"x"]}))
+    assert r.status_code == 400 and "layers" in r.json()["field"]
+    r = post("/v1/segments", msgpack.packb(good | {"layers": [b"\0" * 100] * 4}))
+    assert r.status_code == 400 and r.json()["field"] == "layers[0]"
+    r = post("/v1/segments", msgpack.packb(good | {"fingerprint": "another-model"}))
+    assert r.status_code == 409 and r.json()["field"] == "fingerprint"
+    r = post("/v1/segments", msgpack.packb(good | {"geometry": GEOMETRY.as_dict() | {"dtype": "float32"}}))
+    assert r.status_code == 409 and r.json()["field"] == "geometry"
+    r = post("/v1/segments", msgpack.packb(good | {"retention": "forever"}))
+    assert r.status_code == 400 and "retention" in r.json()["error"]
+    r = post("/v1/segments", b"\0" * (5 << 20))
+    assert r.status_code == 413 and "too large" in r.json()["error"]
+    read = {"fingerprint": FP, "geometry": GEOMETRY.as_dict(), "root": hashes[0], "hashes": hashes[:1], "layer": 0}
+    r = post("/v1/read", msgpack.packb(read | {"runs": [["00" * 8, "../../etc/passwd", 0, 1, 1, 4096]]}))
+    assert r.status_code == 400 and "segment id" in r.json()["error"]
+    r = post("/v1/read", msgpack.packb(read | {"runs": [["00" * 8, "ab" * 16, 0, 1, 1, 4096]]}))
+    assert r.status_code == 404 and "unknown volume" in r.json()["error"]
+    volume = requests.get(url + "/admin/volumes", headers={"Authorization": f"Bearer {TOKEN}"}).json()["volumes"][0]["id"]
+    r = post("/v1/read", msgpack.packb(read | {"runs": [[volume, "ab" * 16, 0, 1, 1, 4096]]}))
+    assert r.status_code == 404 and "unknown segment" in r.json()["error"]
+    r = post("/v1/read", msgpack.packb(read | {"runs": [[volume, "ab" * 16, 0, 1, 1, 4096]], "layer": 99}))
+    assert r.status_code == 400 and r.json()["field"] == "layer"
+    assert requests.delete(url + "/v1/segments/..%2F..%2Fetc").status_code in (400, 404)
+    r = requests.delete(url + "/v1/segments/not-a-segment")
+    assert r.status_code == 400 and r.json()["field"] == "segment"
+    assert requests.delete(url + "/v1/segments/" + "cd" * 16).status_code == 404
+    assert segment_files(tmp) == before
+
+
+async def test_admin_needs_the_token(service, client):
+    url, _ = service
+    assert requests.get(url + "/admin/stats").status_code == 401
+    assert requests.get(url + "/admin/stats", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    stats = requests.get(url + "/admin/stats", headers=auth).json()
+    assert "bytes_written" in stats and "volume_used_bytes" in stats
+    volumes = requests.get(url + "/admin/volumes", headers=auth).json()["volumes"]
+    assert len(volumes) == 2 and all(v["reachable"] for v in volumes)
+    assert requests.post(url + "/admin/evict", headers=auth, json={}).status_code == 400
+    a = block_hashes(prompt(2, 3), FP, "tenant-x", 16)
+    b = block_hashes(prompt(2, 3), FP, "tenant-y", 16)
+    await client.save(a, latents(2, 3), tenant="tenant-x")
+    await client.save(b, latents(2, 3), tenant="tenant-y")
+    r = requests.post(url + "/admin/evict", headers=auth, json={"tenant": "tenant-x"})
+    assert r.json() == {"evicted": 1}
+    assert (await client.lookup(a)).blocks == 0 and (await client.lookup(b)).blocks == 2
+    swept = requests.post(url + "/admin/sweep", headers=auth).json()
+    assert swept["deleted"] >= 1
+
+
+async def test_delete_segment_and_metrics(service, client):
+    url, _ = service
+    hashes = block_hashes(prompt(3, 4), FP, "t", 16)
+    result = await client.save(hashes, latents(3, 4))
+    r = requests.delete(url + "/v1/segments/" + result.segments[0])
+    assert r.status_code == 200
+    assert (await client.lookup(hashes)).blocks == 0
+    assert requests.delete(url + "/v1/segments/" + result.segments[0]).status_code == 404
+    text = requests.get(url + "/metrics").text
+    for name in ("dikv_bytes_written_total", "dikv_bytes_read_total", "dikv_layer_read_seconds_bucket",
+                 "dikv_evictions_total", "dikv_verification_failures_total", "dikv_volume_used_bytes"):
+        assert name in text
+
+
+async def test_corruption_is_a_shorter_read_and_a_metric(service, client):
+    url, tmp = service
+    hashes = block_hashes(prompt(3, 5), FP, "t", 16)
+    result = await client.save(hashes, latents(3, 5))
+    hit = await client.lookup(hashes)
+    path = next(p for p in tmp.glob(f"v*/segments/{result.segments[0]}"))
+    with open(path, "r+b") as f:  # layer 1, block 2
+        f.seek(hit.runs[0].data_offset + (1 * 3 + 2) * GEOMETRY.block_bytes + 5)
+        f.write(b"\xff\xfe")
+    p = client.prefetch(hit)
+    assert (await p.layer(0)).shape[0] == 48
+    assert await p.valid_tokens() == 32
+    assert "dikv_verification_failures_total 1.0" in requests.get(url + "/metrics").text
+    assert (await client.lookup(hashes)).blocks == 2
+
+
+async def test_client_degrades_to_miss_when_service_is_down():
+    dead = KvstoreClient(f"http://127.0.0.1:{free_port()}", GEOMETRY, FP, timeout_s=2)
+    hashes = block_hashes(prompt(2, 6), FP, "t", 16)
+    assert (await dead.lookup(hashes)).blocks == 0
+    from kvstore import Hit, SegmentRun
+    hit = Hit(hashes[0], tuple(hashes), (SegmentRun("00" * 8, "ab" * 16, 0, 2, 2, 4096),))
+    p = dead.prefetch(hit)
+    assert (await p.layer(0)).shape == (0, 576)
+    assert await p.valid_tokens() == 0
+    with pytest.raises(aiohttp.ClientError):
+        await dead.save(hashes, latents(2, 6))
+    await dead.close()
+
+
+async def test_not_ready_without_redis(tmp_path):
+    proc, url = start_service(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        r = requests.get(url + "/readyz")
+        assert r.status_code == 503 and r.json()["checks"]["redis"] is False
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
