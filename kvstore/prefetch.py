@@ -29,8 +29,8 @@ class LayerSource(Protocol):
     async def begin_read(self, hit: Hit) -> tuple[Any, int]:
         """Start reading `hit`: (context for read_layer, leading blocks that may be valid)."""
 
-    async def read_layer(self, hit: Hit, layer: int, context: Any = None) -> LayerRead:
-        """One layer of `hit`'s leading blocks, verified."""
+    async def read_layer(self, hit: Hit, layer: int, context: Any = None, out: np.ndarray | None = None) -> LayerRead:
+        """One layer of `hit`'s leading blocks, verified; into `out` (tokens, latent_dim) if given."""
 
     def end_read(self, hit: Hit) -> None:
         """The prefetch of `hit` is over (its segments may be deleted now)."""
@@ -39,6 +39,9 @@ class LayerSource(Protocol):
 class Prefetch:
     """Reads every layer of `hit`, at most `read_ahead` layers in flight, starting at once.
 
+    With `out` (num_layers, >= hit tokens, latent_dim), e.g. an engine's reused staging buffer,
+    layer l is read into out[l] and layer(l) returns a view of it: no fresh memory per read.
+
     Invariants: `await layer(l)` returns (tokens, latent_dim) in cache dtype holding only
     verified rows, tokens a multiple of block_tokens and never more than any earlier layer's;
     a cache fault (missing or corrupt data, wrong fingerprint, a service down) only shortens
@@ -46,8 +49,15 @@ class Prefetch:
     `await valid_tokens()`, known once all layers are verified.
     """
 
-    def __init__(self, source: LayerSource, hit: Hit, read_ahead: int) -> None:
+    def __init__(self, source: LayerSource, hit: Hit, read_ahead: int, out: np.ndarray | None = None) -> None:
+        g = source.geometry
+        if out is not None and (out.dtype != g.np_dtype or out.ndim != 3 or out.shape[0] != g.num_layers
+                                or out.shape[1] < hit.blocks * g.block_tokens or out.shape[2] != g.latent_dim
+                                or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous ({g.num_layers}, >= {hit.blocks * g.block_tokens}, "
+                             f"{g.latent_dim}) {g.dtype} array, got {out.shape} {out.dtype}")
         self.hit = hit
+        self._out = out
         self._source = source
         self._geometry = source.geometry
         self._valid_blocks = hit.blocks
@@ -78,7 +88,8 @@ class Prefetch:
 
     async def _read(self, layer: int, context: Any) -> None:
         try:
-            read = await self._source.read_layer(self.hit.truncated(self._valid_blocks), layer, context)
+            out = None if self._out is None else self._out[layer]
+            read = await self._source.read_layer(self.hit.truncated(self._valid_blocks), layer, context, out)
             self._valid_blocks = min(self._valid_blocks, read.valid_blocks)
             if layer > 0:  # deliver in layer order, so a later layer is never longer than an earlier one
                 await asyncio.shield(self._layers[layer - 1])

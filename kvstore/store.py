@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
+from redis.exceptions import RedisError
 
 from .capacity import Capacity
 from .geometry import CacheGeometry
@@ -116,7 +117,11 @@ class BlockStore:
         for first in range(0, new, self.max_segment_blocks):
             count = min(self.max_segment_blocks, new - first)
             plan.append((first, count))
-        volumes = await self._place([self._segment_bytes(c, tenant) for _, c in plan])
+        try:
+            volumes = await self._place([self._segment_bytes(c, tenant) for _, c in plan])
+        except RedisError as e:
+            self.stats.write_failures += 1
+            raise SegmentWriteError(f"the index is unreachable, nothing written: {e}") from e
         writes = []
         for (first, count), volume in zip(plan, volumes):
             seg_hashes = hashes[start_block + first:start_block + first + count]
@@ -130,11 +135,19 @@ class BlockStore:
             error = next(r for r in results if isinstance(r, BaseException))
             raise SegmentWriteError(f"segment write failed: {error!r}") from error
         root = hashes[0]
-        for (first, count), volume, (segment, offset, size) in zip(plan, volumes, results):
-            seg_hashes = hashes[start_block + first:start_block + first + count]
-            await self.ledger.add(volume.id, SegmentRecord(segment, root, size, tenant))
-            locations = [BlockLocation(volume.id, segment, i, count, offset) for i in range(count)]
-            await self.index.publish(root, seg_hashes, locations, tenant, ttl)
+        published = 0
+        try:
+            for (first, count), volume, (segment, offset, size) in zip(plan, volumes, results):
+                seg_hashes = hashes[start_block + first:start_block + first + count]
+                await self.ledger.add(volume.id, SegmentRecord(segment, root, size, tenant))
+                locations = [BlockLocation(volume.id, segment, i, count, offset) for i in range(count)]
+                await self.index.publish(root, seg_hashes, locations, tenant, ttl)
+                published += 1
+        except Exception as e:  # the index is unreachable: what was published stays valid, the rest goes
+            self.stats.write_failures += 1
+            await asyncio.gather(*(v.delete(r[0]) for v, r in zip(volumes[published:], results[published:])),
+                                 return_exceptions=True)
+            raise SegmentWriteError(f"publishing to the index failed after {published} segments: {e!r}") from e
         written = sum(r[2] for r in results)
         self.stats.blocks_written += new
         self.stats.segments_written += len(results)
@@ -188,10 +201,13 @@ class BlockStore:
 
     # ---- read -------------------------------------------------------------------------------
 
-    def prefetch(self, hit: Hit, read_ahead: int | None = None) -> Prefetch:
-        """Start reading every layer of `hit` in the background (needs a running event loop)."""
-        self._spawn(self.ledger.touch([(r.volume, r.segment) for r in hit.runs]))
-        return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead)
+    def prefetch(self, hit: Hit, read_ahead: int | None = None, out: np.ndarray | None = None) -> Prefetch:
+        """Start reading every layer of `hit` in the background (needs a running event loop).
+
+        `out`: optional (num_layers, >= hit tokens, latent_dim) buffer to read into (see Prefetch).
+        """
+        self.touch(hit)
+        return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead, out)
 
     async def header(self, volume_id: str, segment: str) -> SegmentHeader:
         """The segment's header (cached: segments never change). Raises SegmentFormatError."""
@@ -239,13 +255,18 @@ class BlockStore:
                 return i
         return None
 
-    async def read_layer(self, hit: Hit, layer: int, check: HeaderCheck | None = None) -> LayerRead:
-        """Layer `layer` of the hit's leading valid blocks, every block checksum-verified."""
+    async def read_layer(self, hit: Hit, layer: int, check: HeaderCheck | None = None,
+                         out: np.ndarray | None = None) -> LayerRead:
+        """Layer `layer` of the hit's leading valid blocks, every block checksum-verified.
+
+        Reads into `out` (>= tokens, latent_dim) when given, else into a new array.
+        """
         started = time.perf_counter()
         g = self.geometry
         check = check or await self.verified_headers(hit)
         blocks = min(hit.blocks, check.valid_blocks)
-        out = np.empty((blocks * g.block_tokens, g.latent_dim), g.np_dtype)  # (tokens, latent_dim)
+        if out is None:
+            out = np.empty((blocks * g.block_tokens, g.latent_dim), g.np_dtype)  # (tokens, latent_dim)
         reads, block = [], 0
         for run in hit.truncated(blocks).runs:
             rows = out[block * g.block_tokens:(block + run.count) * g.block_tokens]
@@ -309,6 +330,11 @@ class BlockStore:
         for s in segments:
             if self.readers[s] <= 0:
                 del self.readers[s]
+
+    def touch(self, hit: Hit) -> None:
+        """Record, in the background, that the hit's segments were just used (eviction recency)."""
+        if hit.runs:
+            self._spawn(self.ledger.touch([(r.volume, r.segment) for r in hit.runs]))
 
     def forget(self, segment: str) -> None:
         self._headers.pop(segment, None)

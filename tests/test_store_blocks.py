@@ -244,3 +244,76 @@ async def test_non_file_volume_through_tensorstore(tmp_path, index):
         assert valid == 80 and np.array_equal(layers[1].view(np.uint16), data[1].view(np.uint16))
     finally:
         await store.close()
+
+
+async def test_prefetch_into_a_reused_buffer(store, index):
+    hashes = block_hashes(prompt(5, 70), FP, "t", 16)
+    data = latents(5, 70)
+    await store.save(hashes, data)
+    staging = np.zeros((GEOMETRY.num_layers, 128, 576), GEOMETRY.np_dtype)  # (layers, tokens, latent_dim)
+    hit = await index.lookup(hashes)
+    p = store.prefetch(hit, out=staging)
+    got = await p.layer(2)
+    assert got.base is staging or np.shares_memory(got, staging)
+    assert await p.valid_tokens() == 80
+    assert np.array_equal(staging[3, :80].view(np.uint16), data[3].view(np.uint16))
+    with pytest.raises(ValueError, match="out must be"):
+        store.prefetch(hit, out=staging[:, :10])
+
+
+async def test_cancel_serves_empty_layers(store, index):
+    hashes = block_hashes(prompt(3, 71), FP, "t", 16)
+    await store.save(hashes, latents(3, 71))
+    p = store.prefetch(await index.lookup(hashes))
+    p.cancel()
+    assert await p.valid_tokens() == 0
+    assert (await p.layer(GEOMETRY.num_layers - 1)).shape == (0, 576)
+
+
+async def test_store_on_a_redis_cluster(tmp_path, cluster_url):
+    client = open_redis(cluster_url, cluster=True)
+    seg_bytes = 4096 + 4 * GEOMETRY.num_layers * GEOMETRY.block_bytes
+    store = await open_store(tmp_path, PrefixIndex(client), budget_bytes=int(2.5 * seg_bytes))
+    try:
+        chains = [block_hashes(prompt(4, 80 + i), FP, "t", 16) for i in range(6)]
+        for i, chain in enumerate(chains):
+            await store.save(chain, latents(4, 80 + i))
+        used = await store.ledger.used(list(store.volumes))
+        assert all(u <= 2.5 * seg_bytes for u in used.values()) and store.stats.evictions >= 1
+        hit = await store.index.lookup(chains[-1])
+        layers, valid = await read_all(store, hit)
+        assert valid == 64 and np.array_equal(layers[0].view(np.uint16), latents(4, 85)[0].view(np.uint16))
+        assert (await store.capacity.sweep()).deleted == store.stats.evictions
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_index_down_fails_the_save_and_leaves_no_data(tmp_path):
+    from tests.conftest import free_port
+    client = open_redis(f"redis://127.0.0.1:{free_port()}/0")
+    store = await open_store(tmp_path, PrefixIndex(client), n_volumes=1)
+    try:
+        with pytest.raises(SegmentWriteError, match="unreachable"):
+            await store.save(block_hashes(prompt(2, 90), FP, "t", 16), latents(2, 90))
+        segments = tmp_path / "ssd0" / "segments"
+        assert not segments.exists() or not os.listdir(segments)
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_reads_need_no_index(tmp_path, store, index):
+    from tests.conftest import free_port
+    hashes = block_hashes(prompt(3, 91), FP, "t", 16)
+    data = latents(3, 91)
+    await store.save(hashes, data)
+    hit = await index.lookup(hashes)
+    dead = open_redis(f"redis://127.0.0.1:{free_port()}/0")
+    offline = await open_store(tmp_path, PrefixIndex(dead))
+    try:
+        layers, valid = await read_all(offline, hit)  # recency bookkeeping fails in the background only
+        assert valid == 48 and np.array_equal(layers[2].view(np.uint16), data[2].view(np.uint16))
+    finally:
+        await offline.close()
+        await dead.aclose()

@@ -107,6 +107,8 @@ async def read_layer(request: web.Request) -> web.Response:
         raise RequestError(404, f"unknown segment {read.hit.runs[0].segment}", "runs[0]") from None
     except Exception:  # corrupt header: read_layer below counts it and serves a miss
         pass
+    if read.layer == 0:
+        store.touch(read.hit)
     context, _ = await store.begin_read(read.hit)
     try:
         result = await store.read_layer(read.hit, read.layer, context)

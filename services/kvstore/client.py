@@ -81,13 +81,14 @@ class KvstoreClient:
             log.warning("kvstore lookup failed: %r", e)
             return miss(hashes[0] if hashes else b"")
 
-    def prefetch(self, hit: Hit, read_ahead: int | None = None) -> Prefetch:
-        return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead)
+    def prefetch(self, hit: Hit, read_ahead: int | None = None, out: np.ndarray | None = None) -> Prefetch:
+        """Start reading every layer of `hit` from the service (into `out` if given, see Prefetch)."""
+        return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead, out)
 
     async def begin_read(self, hit: Hit) -> tuple[None, int]:
         return None, hit.blocks
 
-    async def read_layer(self, hit: Hit, layer: int, context: Any = None) -> LayerRead:
+    async def read_layer(self, hit: Hit, layer: int, context: Any = None, out: np.ndarray | None = None) -> LayerRead:
         g = self.geometry
         empty = LayerRead(np.empty((0, g.latent_dim), g.np_dtype), 0)
         if hit.blocks == 0:
@@ -106,7 +107,11 @@ class KvstoreClient:
         if valid > hit.blocks or len(body) != valid * g.block_bytes:
             log.warning("kvstore read of layer %d: %d bytes for %d blocks", layer, len(body), valid)
             return empty
-        return LayerRead(np.frombuffer(body, g.np_dtype).reshape(-1, g.latent_dim), valid)
+        latents = np.frombuffer(body, g.np_dtype).reshape(-1, g.latent_dim)  # (valid tokens, latent_dim)
+        if out is not None:
+            out[:len(latents)] = latents
+            latents = out[:len(latents)]
+        return LayerRead(latents, valid)
 
     def end_read(self, hit: Hit) -> None:
         pass

