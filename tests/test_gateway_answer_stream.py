@@ -74,7 +74,7 @@ async def test_stop_string_split_over_tokens_and_at_the_end(tokenizer):
 
 
 def validator(name):
-    document = openapi_document(129_280)
+    document = openapi_document(129_280, "deepseek-chat")
     return jsonschema.Draft202012Validator({"components": document["components"],
                                             "$ref": f"#/components/schemas/{name}"})
 

@@ -161,8 +161,8 @@ async def test_malformed_and_oversized_bodies(serve):
     status, reply, _ = await call("POST", base + "/v1/nothing-here", "sk-a", json=CHAT)
     assert status == 404
     assert_openai_error(reply)
-    status, reply, _ = await call("PUT", base + "/v1/chat/completions", "sk-a", json=CHAT)
-    assert status == 405
+    status, reply, headers = await call("PUT", base + "/v1/chat/completions", "sk-a", json=CHAT)
+    assert status == 405 and headers["Allow"] == "POST"
     assert_openai_error(reply)
 
 

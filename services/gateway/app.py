@@ -34,6 +34,8 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
             raise
         response = OpenAIError(error.text or error.reason, code=_HTTP_ERROR_CODES.get(error.status),
                                status=error.status).response()
+        if "Allow" in error.headers:  # a 405 must say which methods are allowed (RFC 9110)
+            response.headers["Allow"] = error.headers["Allow"]
     except Exception:  # a bug or an unexpected failure: logged with context, never a stack trace
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = OpenAIError("The server had an error while processing your request.",
@@ -71,7 +73,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document(request.app[STATE].tokenizer.vocab_size))
+    state = request.app[STATE]
+    return web.json_response(openapi_document(state.tokenizer.vocab_size,
+                                              state.config.served_model))
 
 
 async def admin_stats(request: web.Request) -> web.Response:

@@ -105,14 +105,10 @@ class EngineRouter:
                           f"{stats.max_context} tokens. However, your prompt is {prompt} tokens.",
                           "context_length_exceeded")
         requested = job.sampling.max_tokens
-        if requested is None:
-            return min(self._default_max_tokens, stats.max_context - prompt)
-        if prompt + requested > stats.max_context:
-            raise invalid("max_tokens", f"This model's maximum context length is "
-                          f"{stats.max_context} tokens. However, you requested "
-                          f"{prompt + requested} tokens ({prompt} in the prompt, {requested} "
-                          "for the completion).", "context_length_exceeded")
-        return requested
+        # A budget past the context is cut to what is left (finish_reason "length"), not refused:
+        # the client cannot know the prompt's length in tokens before sending it.
+        left = stats.max_context - prompt
+        return min(self._default_max_tokens if requested is None else requested, left)
 
     async def _hashes_and_hit(self, job: GenerationJob, stats: EngineStats
                               ) -> tuple[list[bytes], Hit]:

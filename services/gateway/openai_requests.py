@@ -236,11 +236,15 @@ def _prompt(body: dict, vocab_size: int) -> str | tuple[int, ...]:
     if not isinstance(prompt, list) or not prompt:
         raise invalid("prompt", "Invalid 'prompt': expected a string or a non-empty array of "
                                 "token ids (one prompt per request).", "invalid_value")
+    tokens = []
     for index, token in enumerate(prompt):
+        if isinstance(token, float) and token.is_integer():  # JSON Schema's integer allows 3.0
+            token = int(token)
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise invalid(f"prompt[{index}]", f"Invalid 'prompt[{index}]': expected a token id "
                                               f"in [0, {vocab_size}).", "invalid_value")
-    return tuple(prompt)
+        tokens.append(token)
+    return tuple(tokens)
 
 
 def parse_completion(body: dict, vocab_size: int) -> CompletionRequest:

@@ -20,9 +20,10 @@ _COUNT = {"type": "integer", "minimum": 0}
 
 _SAMPLING_PROPERTIES = {
     "max_tokens": _nullable({"type": "integer", "minimum": 1,
-                             "description": "Most tokens to generate (deprecated alias of "
-                                            "max_completion_tokens)."}),
-    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+                             "description": "Alias of max_completion_tokens."}),
+    "max_completion_tokens": _nullable({"type": "integer", "minimum": 1,
+                                        "description": "Most tokens to generate; cut to the "
+                                                       "context left after the prompt."}),
     "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
     "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     "top_k": _nullable({"type": "integer", "minimum": 0,
@@ -52,7 +53,9 @@ _STREAM_OPTIONS_NEED_STREAM = {
 }
 
 
-def _request_schemas(vocab_size: int) -> dict:
+def _request_schemas(vocab_size: int, served_model: str) -> dict:
+    # Any other model name is answered 404 model_not_found, as OpenAI does.
+    model = {"type": "string", "enum": [served_model]}
     token_ids = {"type": "array", "minItems": 1,
                  "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
     return {
@@ -75,7 +78,7 @@ def _request_schemas(vocab_size: int) -> dict:
         },
         "ChatCompletionRequest": {
             "type": "object", "required": ["model", "messages"],
-            "properties": {"model": {"type": "string"},
+            "properties": {"model": model,
                            "messages": {"type": "array", "minItems": 1,
                                         "items": _ref("ChatMessage")},
                            **_SAMPLING_PROPERTIES},
@@ -84,7 +87,7 @@ def _request_schemas(vocab_size: int) -> dict:
         "CompletionRequest": {
             "type": "object", "required": ["model", "prompt"],
             "properties": {
-                "model": {"type": "string"},
+                "model": model,
                 "prompt": {"oneOf": [
                     {"type": "string"},
                     token_ids,
@@ -173,16 +176,26 @@ _ERRORS = {
 }
 
 
-def _generation(summary: str, request: str, response: str) -> dict:
+def _sse_event(chunk: str) -> dict:
+    """One server-sent event (OpenAPI before 3.2 describes each event, not the stream)."""
+    return {"type": "object", "required": ["data"],
+            "properties": {
+                "data": {"type": "string",
+                         "description": f"One `{chunk}` object as JSON; an `Error` object if "
+                                        "the engine fails mid-stream; `[DONE]` last."},
+                "event": {"type": "string"}, "id": {"type": "string"},
+                "retry": {"type": "integer"}}}
+
+
+def _generation(summary: str, request: str, response: str, chunk: str) -> dict:
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": _ref(request)}}},
         "responses": {
-            "200": {"description": "The completion; with stream=true, server-sent events of "
-                                   "`data: <chunk JSON>` lines ending with `data: [DONE]`.",
+            "200": {"description": "The completion; with stream=true, server-sent events.",
                     "content": {"application/json": {"schema": _ref(response)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": {"schema": _sse_event(chunk)}}},
             **_ERRORS,
         },
     }}
@@ -201,15 +214,16 @@ def _plain(summary: str, content_type: str = "application/json", *, admin: bool 
     return {"get": operation}
 
 
-def openapi_document(vocab_size: int) -> dict:
+def openapi_document(vocab_size: int, served_model: str) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "DeepInfer gateway", "version": "0.1.0",
                  "description": "OpenAI/DeepSeek-compatible API. Usage reports prompt-cache hits."},
         "paths": {
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest",
-                                                "ChatCompletion"),
-            "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+                                                "ChatCompletion", "ChatCompletionChunk"),
+            "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion",
+                                           "Completion"),
             "/v1/models": {"get": {"summary": "Served models",
                                    "responses": {"200": {"description": "OK", "content": {
                                        "application/json": {"schema": _ref("ModelList")}}},
@@ -221,7 +235,7 @@ def openapi_document(vocab_size: int) -> dict:
             "/admin/stats": _plain("Engines, token cache and prefix lookup counters", admin=True),
         },
         "components": {
-            "schemas": {**_request_schemas(vocab_size), **_RESPONSE_SCHEMAS},
+            "schemas": {**_request_schemas(vocab_size, served_model), **_RESPONSE_SCHEMAS},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],
