@@ -23,16 +23,24 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
         await store.save(hashes, layers, start_block=0, tenant="", retention="chat", ttl_s=None)
             -> SaveResult(blocks, segments, bytes)      # durable AND published when it returns
             hashes: the chain from block 0; layers[l]: (new_blocks * block_tokens, latent_dim)
-        p = store.prefetch(hit, read_ahead=None) -> Prefetch   # reading starts now
-            await p.layer(l) -> np.ndarray (tokens, latent_dim), verified, cache dtype
+            raises ValueError (bad argument, names it) or SegmentWriteError (nothing unpublished left)
+        p = store.prefetch(hit, read_ahead=None, out=None) -> Prefetch   # reading starts now
+            out: optional reused (num_layers, >= tokens, latent_dim) staging buffer to read into
+            await p.layer(l) -> np.ndarray (tokens, latent_dim), verified, cache dtype; in layer
+                                order, a later layer is never longer than an earlier one
             await p.valid_tokens() -> int            # usable prefix for every layer
             p.cancel()
-        await store.read_layer(hit, l) -> LayerRead(latents, valid_blocks)
+        await store.read_layer(hit, l) -> LayerRead(latents, valid_blocks)   # one layer, verified
         await store.capacity.sweep() -> SweepResult; await store.capacity.evict(tenant=None) -> int
         store.stats: StoreStats; await store.close()
 
 Cache faults (missing, torn, corrupt or foreign data) never raise from reads: they shorten
 the prefix, drop the bad index entry and count `stats.verification_failures`.
+
+Storage layout: a save becomes segments of <= max_segment_blocks blocks, each one object on the
+least used volume, stored layer-major (segment.py), so one layer of a prefix is one contiguous
+range read per segment. Index layout and retention: index.py; volume accounting: ledger.py.
+The remote twin of BlockStore (same save/prefetch shape) is services.kvstore.client.KvstoreClient.
 """
 from .capacity import SweepResult
 from .geometry import CacheGeometry

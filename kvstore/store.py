@@ -16,7 +16,7 @@ from .capacity import Capacity
 from .geometry import CacheGeometry
 from .index import PrefixIndex
 from .ledger import SegmentRecord, VolumeLedger
-from .location import BlockLocation, Hit
+from .location import BlockLocation, Hit, SegmentRun
 from .prefetch import LayerRead, Prefetch
 from .retention import RetentionPolicy
 from .hashing import HASH_BYTES
@@ -39,6 +39,17 @@ class SaveResult(NamedTuple):
 class HeaderCheck(NamedTuple):
     headers: dict[str, SegmentHeader]  # segment id -> header, for segments that passed
     valid_blocks: int                  # leading blocks of the hit whose headers match
+
+
+class _Written(NamedTuple):
+    """A segment of a save, durable on its volume, not yet published."""
+
+    volume: Volume
+    segment: str
+    first: int        # its first block, counted from the save's start_block
+    count: int        # blocks
+    data_offset: int  # bytes
+    bytes: int        # size of the segment object
 
 
 class SegmentWriteError(RuntimeError):
@@ -108,51 +119,55 @@ class BlockStore:
 
         `layers[l]` is (n_new_blocks * block_tokens, latent_dim) in cache dtype.
         Raises ValueError naming a bad argument, SegmentWriteError if the data could not be
-        made durable (then nothing was published).
+        made durable or published (then no unpublished data is left behind).
         """
         ttl = self.retention.ttl_s(retention, ttl_s)
         new = self._check_save(hashes, layers, start_block)
-        bt = self.geometry.block_tokens
-        plan = []  # (volume, segment id, first new block, blocks)
-        for first in range(0, new, self.max_segment_blocks):
-            count = min(self.max_segment_blocks, new - first)
-            plan.append((first, count))
+        spans = [(first, min(self.max_segment_blocks, new - first)) for first in range(0, new, self.max_segment_blocks)]
         try:
-            volumes = await self._place([self._segment_bytes(c, tenant) for _, c in plan])
+            volumes = await self._place([self._segment_bytes(count, tenant) for _, count in spans])
         except RedisError as e:
             self.stats.write_failures += 1
             raise SegmentWriteError(f"the index is unreachable, nothing written: {e}") from e
-        writes = []
-        for (first, count), volume in zip(plan, volumes):
-            seg_hashes = hashes[start_block + first:start_block + first + count]
-            seg_layers = [x[first * bt:(first + count) * bt] for x in layers]
-            writes.append(self._write_segment(volume, seg_hashes, seg_layers, tenant))
-        results = await asyncio.gather(*writes, return_exceptions=True)
-        if any(isinstance(r, BaseException) for r in results):
-            self.stats.write_failures += 1
-            await asyncio.gather(*(v.delete(r[0]) for v, r in zip(volumes, results)
-                                   if not isinstance(r, BaseException)), return_exceptions=True)
-            error = next(r for r in results if isinstance(r, BaseException))
-            raise SegmentWriteError(f"segment write failed: {error!r}") from error
-        root = hashes[0]
-        published = 0
-        try:
-            for (first, count), volume, (segment, offset, size) in zip(plan, volumes, results):
-                seg_hashes = hashes[start_block + first:start_block + first + count]
-                await self.ledger.add(volume.id, SegmentRecord(segment, root, size, tenant))
-                locations = [BlockLocation(volume.id, segment, i, count, offset) for i in range(count)]
-                await self.index.publish(root, seg_hashes, locations, tenant, ttl)
-                published += 1
-        except Exception as e:  # the index is unreachable: what was published stays valid, the rest goes
-            self.stats.write_failures += 1
-            await asyncio.gather(*(v.delete(r[0]) for v, r in zip(volumes[published:], results[published:])),
-                                 return_exceptions=True)
-            raise SegmentWriteError(f"publishing to the index failed after {published} segments: {e!r}") from e
-        written = sum(r[2] for r in results)
+        bt = self.geometry.block_tokens
+        written = await self._write_all([
+            self._write_segment(volume, first, hashes[start_block + first:start_block + first + count],
+                                [x[first * bt:(first + count) * bt] for x in layers], tenant)
+            for (first, count), volume in zip(spans, volumes)])
+        await self._publish_all(hashes, start_block, written, tenant, ttl)
+        total = sum(w.bytes for w in written)
         self.stats.blocks_written += new
-        self.stats.segments_written += len(results)
-        self.stats.bytes_written += written
-        return SaveResult(new, tuple(r[0] for r in results), written)
+        self.stats.segments_written += len(written)
+        self.stats.bytes_written += total
+        return SaveResult(new, tuple(w.segment for w in written), total)
+
+    async def _write_all(self, writes: list) -> list[_Written]:
+        """Run the segment writes; if any fails, delete the others and raise SegmentWriteError."""
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.stats.write_failures += 1
+            await self._delete([r for r in results if not isinstance(r, BaseException)])
+            raise SegmentWriteError(f"segment write failed: {errors[0]!r}") from errors[0]
+        return results
+
+    async def _publish_all(self, hashes: Sequence[bytes], start_block: int, written: list[_Written],
+                           tenant: str, ttl: int) -> None:
+        """Ledger record, then index entries, per segment in block order (the data is durable)."""
+        root = hashes[0]
+        for done, w in enumerate(written):
+            try:
+                await self.ledger.add(w.volume.id, SegmentRecord(w.segment, root, w.bytes, tenant))
+                first = start_block + w.first
+                locations = [BlockLocation(w.volume.id, w.segment, i, w.count, w.data_offset) for i in range(w.count)]
+                await self.index.publish(root, hashes[first:first + w.count], locations, tenant, ttl)
+            except Exception as e:  # index unreachable: the published segments stay valid, the rest goes
+                self.stats.write_failures += 1
+                await self._delete(written[done:])
+                raise SegmentWriteError(f"publishing failed after {done} of {len(written)} segments: {e!r}") from e
+
+    async def _delete(self, written: list[_Written]) -> None:
+        await asyncio.gather(*(w.volume.delete(w.segment) for w in written), return_exceptions=True)
 
     def _check_save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], start_block: int) -> int:
         g = self.geometry
@@ -190,14 +205,13 @@ class BlockStore:
             await self.capacity.make_room(vid, sum(s for s, v in zip(sizes, chosen) if v.id == vid))
         return chosen
 
-    async def _write_segment(self, volume: Volume, hashes: Sequence[bytes], layers: Sequence[np.ndarray],
-                             tenant: str) -> tuple[str, int, int]:
+    async def _write_segment(self, volume: Volume, first: int, hashes: Sequence[bytes],
+                             layers: Sequence[np.ndarray], tenant: str) -> _Written:
         segment = secrets.token_hex(16)
-        loop = asyncio.get_running_loop()
-        payload, offset = await loop.run_in_executor(
+        payload, offset = await asyncio.get_running_loop().run_in_executor(
             self._pool, encode_segment, self.fingerprint, self.geometry, tenant, hashes, layers)
         await volume.write(segment, payload)
-        return segment, offset, len(payload)
+        return _Written(volume, segment, first, len(hashes), offset, len(payload))
 
     # ---- read -------------------------------------------------------------------------------
 
@@ -236,24 +250,29 @@ class BlockStore:
                                      return_exceptions=True)
         headers, block = {}, 0
         for run, header in zip(hit.runs, found):
-            bad = self._first_bad_block(hit, run, block, header)
+            bad, why = self._first_bad_block(hit, run, block, header)
             if bad is not None:
-                await self._reject(hit, block + bad, run.segment, f"header: {header!r}"[:200])
+                await self._reject(hit, block + bad, run.segment, why)
                 return HeaderCheck(headers, block + bad)
             headers[run.segment] = header
             block += run.count
         return HeaderCheck(headers, block)
 
-    def _first_bad_block(self, hit: Hit, run, block: int, header) -> int | None:
+    def _first_bad_block(self, hit: Hit, run: SegmentRun, block: int,
+                         header: SegmentHeader | BaseException) -> tuple[int | None, str]:
+        """(index in `run` of the first block its header disowns, or None; why)."""
         if isinstance(header, BaseException):
-            return 0
-        if (header.fingerprint != self.fingerprint or header.geometry != self.geometry
-                or header.n_blocks != run.n_blocks or run.first + run.count > header.n_blocks):
-            return 0
+            return 0, f"unreadable header: {header!r}"
+        if header.fingerprint != self.fingerprint:
+            return 0, f"foreign model fingerprint {header.fingerprint!r}"
+        if header.geometry != self.geometry:
+            return 0, f"foreign geometry {header.geometry}"
+        if header.n_blocks != run.n_blocks or run.first + run.count > header.n_blocks:
+            return 0, f"segment has {header.n_blocks} blocks, the index says {run.n_blocks}"
         for i in range(run.count):
             if header.hashes[run.first + i] != hit.hashes[block + i]:
-                return i
-        return None
+                return i, "block hash mismatch"
+        return None, ""
 
     async def read_layer(self, hit: Hit, layer: int, check: HeaderCheck | None = None,
                          out: np.ndarray | None = None) -> LayerRead:
@@ -285,7 +304,7 @@ class BlockStore:
         self.stats.read_latency.observe(time.perf_counter() - started)
         return LayerRead(out[:valid * g.block_tokens], valid)
 
-    async def _read_run(self, run, layer: int, rows: np.ndarray, header: SegmentHeader) -> int | None:
+    async def _read_run(self, run: SegmentRun, layer: int, rows: np.ndarray, header: SegmentHeader) -> int | None:
         """Read one run's layer into `rows`; the index of its first bad block, or None."""
         g = self.geometry
         volume = self.volumes[run.volume]
