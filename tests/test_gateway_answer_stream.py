@@ -13,12 +13,12 @@ from services.gateway.openai_responses import (ResponseHeader, Usage, chat_chunk
                                                chat_completion, models_list, text_completion,
                                                usage_chunk)
 from services.gateway.openapi_document import openapi_document
-from services.gateway.tokenizer import DeepSeekTokenizer
+from services.gateway.tokenizer import shared_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return DeepSeekTokenizer()
+    return shared_tokenizer()
 
 
 def generation(events, hit_tokens=0):

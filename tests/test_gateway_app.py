@@ -14,7 +14,6 @@ from aiohttp import web
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from services.gateway.tokenizer import DeepSeekTokenizer
 
 KEYS = "sk-a:tenantA,sk-b:tenantB"
 CHAT = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]}
@@ -27,13 +26,8 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return DeepSeekTokenizer()
-
-
 @pytest.fixture
-async def serve(tokenizer):
+async def serve():
     """serve(**config) -> base URL of a running gateway on a free loopback port."""
     runners = []
 
@@ -41,7 +35,7 @@ async def serve(tokenizer):
         fields.setdefault("redis_url", "")
         fields.setdefault("api_keys", KEYS)
         config = GatewayConfig(port=8000, **fields)
-        runner = web.AppRunner(create_app(config, tokenizer), handler_cancellation=True)
+        runner = web.AppRunner(create_app(config), handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

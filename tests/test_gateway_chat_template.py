@@ -5,7 +5,7 @@ import pytest
 
 from services.gateway.chat_template import ChatMessage, render_chat, render_completion
 from services.gateway.token_cache import TokenCache
-from services.gateway.tokenizer import DeepSeekTokenizer
+from services.gateway.tokenizer import shared_tokenizer
 
 TRICKY_TEXTS = [
     "plain question?",
@@ -22,7 +22,7 @@ TRICKY_TEXTS = [
 
 @pytest.fixture(scope="module")
 def cache():
-    return TokenCache(DeepSeekTokenizer(), capacity_bytes=64 << 20)
+    return TokenCache(shared_tokenizer(), capacity_bytes=64 << 20)
 
 
 def test_matches_real_tokenizer_on_the_rendered_string(cache):

@@ -5,7 +5,7 @@ import pytest
 
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.stop_strings import StopStringMatcher
-from services.gateway.tokenizer import DeepSeekTokenizer
+from services.gateway.tokenizer import shared_tokenizer
 
 TEXTS = [
     "plain ascii text",
@@ -18,7 +18,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return DeepSeekTokenizer()
+    return shared_tokenizer()
 
 
 def detokenize(tokenizer, ids):

@@ -2,12 +2,12 @@
 import pytest
 
 from services.gateway.token_cache import TokenCache
-from services.gateway.tokenizer import DeepSeekTokenizer
+from services.gateway.tokenizer import shared_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return DeepSeekTokenizer()
+    return shared_tokenizer()
 
 
 def test_hit_returns_the_same_ids_as_tokenizing(tokenizer):

@@ -14,7 +14,6 @@ from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_responses import models_list
 from services.gateway.openapi_document import openapi_document
 from services.gateway.tenants import admin_allowed
-from services.gateway.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +92,8 @@ async def admin_stats(request: web.Request) -> web.Response:
     })
 
 
-def create_app(config: GatewayConfig, tokenizer: DeepSeekTokenizer | None = None
-               ) -> web.Application:
-    """The app; pass `tokenizer` to share one loaded tokenizer (1-2 s to load) between apps."""
-    state = GatewayState.build(config, tokenizer)
+def create_app(config: GatewayConfig) -> web.Application:
+    state = GatewayState.build(config)
     app = web.Application(middlewares=[openai_error_middleware],
                           client_max_size=config.max_body_bytes)
     app[STATE] = state

@@ -17,7 +17,7 @@ from services.gateway.gateway_metrics import GatewayMetrics
 from services.gateway.prefix_lookup import PrefixLookup
 from services.gateway.tenants import TenantKeys
 from services.gateway.token_cache import TokenCache
-from services.gateway.tokenizer import DeepSeekTokenizer
+from services.gateway.tokenizer import DeepSeekTokenizer, shared_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ class GatewayState:
     router: EngineRouter | None = None
 
     @classmethod
-    def build(cls, config: GatewayConfig, tokenizer: DeepSeekTokenizer | None) -> "GatewayState":
-        tokenizer = tokenizer or DeepSeekTokenizer(config.tokenizer_json)
+    def build(cls, config: GatewayConfig) -> "GatewayState":
+        tokenizer = shared_tokenizer(config.tokenizer_json)
         return cls(config=config, tokenizer=tokenizer,
                    token_cache=TokenCache(tokenizer, config.token_cache_bytes),
                    tenants=TenantKeys(api_keys(config.api_keys), config.open_access),

@@ -8,6 +8,7 @@ detokenizer needs to cut text at character boundaries.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -100,3 +101,9 @@ class DeepSeekTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._full.decode(token_ids, skip_special_tokens=True)
+
+
+@functools.cache
+def shared_tokenizer(tokenizer_json: Path = DEFAULT_TOKENIZER_JSON) -> DeepSeekTokenizer:
+    """One tokenizer per file for the whole process (it is immutable; loading takes 1-2 s)."""
+    return DeepSeekTokenizer(Path(tokenizer_json))
