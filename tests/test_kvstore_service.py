@@ -249,3 +249,13 @@ async def test_not_ready_without_redis(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_client_save_errors_carry_status(service):
+    wrong = KvstoreClient(service[0], GEOMETRY, "some-other-model")
+    try:
+        with pytest.raises(KvstoreError) as error:
+            await wrong.save(block_hashes(prompt(2, 7), "some-other-model", "t", 16), latents(2, 7))
+        assert error.value.status == 409 and "fingerprint" in str(error.value)
+    finally:
+        await wrong.close()

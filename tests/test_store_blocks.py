@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -317,3 +318,24 @@ async def test_reads_need_no_index(tmp_path, store, index):
     finally:
         await offline.close()
         await dead.aclose()
+
+
+async def test_sweep_removes_old_orphans_only(store, tmp_path):
+    segments = tmp_path / "ssd0" / "segments"
+    segments.mkdir(parents=True, exist_ok=True)
+    old, fresh = segments / ("ab" * 16), segments / ("cd" * 16)
+    old.write_bytes(b"a writer died before publishing")
+    fresh.write_bytes(b"a writer that is still publishing")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    result = await store.capacity.sweep()
+    assert result.orphans == 1 and not old.exists() and fresh.exists()
+
+
+def test_hit_truncation_and_locations():
+    from kvstore import Hit, SegmentRun
+    runs = (SegmentRun("00" * 8, "ab" * 16, 2, 3, 8, 4096), SegmentRun("11" * 8, "cd" * 16, 0, 4, 4, 8192))
+    hit = Hit(b"r" * 16, tuple(bytes([i]) * 16 for i in range(7)), runs)
+    assert hit.blocks == 7 and [loc.ordinal for loc in hit.locations] == [2, 3, 4, 0, 1, 2, 3]
+    short = hit.truncated(4)
+    assert short.blocks == 4 and short.runs[1].count == 1 and len(short.locations) == 4
+    assert hit.truncated(0).runs == ()
