@@ -94,7 +94,7 @@ async def test_no_engine_configured_is_a_clear_503(serve):
 
 async def test_unreachable_engine_is_a_503_with_retry_after(serve):
     engine = f"http://127.0.0.1:{closed_port()}"
-    base = await serve(engines=(engine,), engine_connect_timeout_s=0.5, admin_token="adm")
+    base = await serve(engines=[engine], engine_connect_timeout_s=0.5, admin_token="adm")
     status, reply, headers = await call("POST", base + "/v1/chat/completions", "sk-a",
                                         json={**CHAT, "stream": True})
     assert status == 503 and headers["Retry-After"] == "1"

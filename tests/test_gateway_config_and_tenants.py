@@ -1,8 +1,7 @@
 """GatewayConfig from flags and environment; API keys -> tenants and their salts."""
-from pathlib import Path
-
 import pytest
 
+from services.common import ConfigError
 from services.gateway.config import GatewayConfig, api_keys
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.tenants import PUBLIC_TENANT, TenantKeys, admin_allowed, tenant_salt
@@ -11,25 +10,29 @@ from services.gateway.tenants import PUBLIC_TENANT, TenantKeys, admin_allowed, t
 def test_defaults():
     config = GatewayConfig.load([], {})
     assert (config.host, config.port, config.engines, config.open_access) == (
-        "127.0.0.1", 8000, (), False)
+        "127.0.0.1", 8000, [], False)
 
 
 def test_flags_beat_environment():
-    env = {"DEEPINFER_GATEWAY_PORT": "9001", "DEEPINFER_GATEWAY_ENGINES": "http://a:1, http://b:2",
+    env = {"DEEPINFER_GATEWAY_PORT": "9001", "DEEPINFER_GATEWAY_ENGINES": "http://a:1,http://b:2",
            "DEEPINFER_GATEWAY_OPEN_ACCESS": "true", "DEEPINFER_GATEWAY_LOOKUP_TIMEOUT_S": "0.25",
            "DEEPINFER_GATEWAY_TOKENIZER_JSON": "/tmp/t.json"}
     config = GatewayConfig.load(["--port", "9002", "--api-keys", "k1:t1"], env)
     assert config.port == 9002 and config.api_keys == "k1:t1"
-    assert config.engines == ("http://a:1", "http://b:2") and config.open_access
-    assert config.lookup_timeout_s == 0.25 and config.tokenizer_json == Path("/tmp/t.json")
+    assert config.engines == ["http://a:1", "http://b:2"] and config.open_access
+    assert config.lookup_timeout_s == 0.25 and config.tokenizer_json == "/tmp/t.json"
+    flags = GatewayConfig.load(["--engine", "http://c:3", "--engine", "http://d:4",
+                                "--no-open-access"], env)
+    assert flags.engines == ["http://c:3", "http://d:4"] and not flags.open_access
 
 
-@pytest.mark.parametrize("argv", [["--port", "0"], ["--engines", "a:1"], ["--api-keys", "nokey"],
-                                  ["--open-access", "maybe"], ["--lookup-timeout-s", "0"],
-                                  ["--default-max-tokens", "0"]])
-def test_bad_values_fail_at_startup(argv):
-    with pytest.raises(ValueError):
-        GatewayConfig.load(argv, {})
+@pytest.mark.parametrize("argv, env", [
+    (["--port", "0"], {}), (["--engine", "a:1"], {}), (["--api-keys", "nokey"], {}),
+    ([], {"DEEPINFER_GATEWAY_OPEN_ACCESS": "maybe"}), (["--lookup-timeout-s", "0"], {}),
+    (["--default-max-tokens", "0"], {}), (["--port", "eighty"], {})])
+def test_bad_values_fail_at_startup(argv, env):
+    with pytest.raises(ConfigError):
+        GatewayConfig.load(argv, env)
 
 
 def test_api_keys_parse():

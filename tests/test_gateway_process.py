@@ -39,7 +39,7 @@ async def test_process_serves_and_drains_on_sigterm():
            "DEEPINFER_GATEWAY_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.gateway", "--port", str(port),
-         "--engines", f"http://127.0.0.1:{engine_port}", "--engine-connect-timeout-s", "0.5"],
+         "--engine", f"http://127.0.0.1:{engine_port}", "--engine-connect-timeout-s", "0.5"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

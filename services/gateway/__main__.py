@@ -1,4 +1,4 @@
-"""`python -m services.gateway [--flags]`: run the gateway until SIGINT/SIGTERM."""
+"""python -m services.gateway [--engine URL ...] [--api-keys KEY:TENANT,...] ...: run until SIGTERM."""
 from __future__ import annotations
 
 import logging
@@ -6,20 +6,26 @@ import sys
 
 from aiohttp import web
 
+from services.common import ConfigError
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = GatewayConfig.load(argv)
+    try:
+        config = GatewayConfig.load(argv)
+    except ConfigError as error:
+        print(f"gateway: {error}", file=sys.stderr)
+        return 2
     # handler_cancellation: a client that goes away cancels its handler, which closes the
     # engine stream, which cancels the generation. shutdown_timeout drains in-flight requests.
     web.run_app(create_app(config), host=config.host, port=config.port,
                 handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
                 access_log=None, print=None)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -1,43 +1,58 @@
-"""The gateway's configuration: one dataclass, filled from CLI flags and DEEPINFER_GATEWAY_* env.
+"""GatewayConfig: every setting of the gateway, with its one default.
 
-Precedence: CLI flag > environment variable > the default written here. Field `engines` is set
-by `--engines URL,URL` or `DEEPINFER_GATEWAY_ENGINES=URL,URL`; every field follows that pattern.
+Filled by services.common's loader: flag > DEEPINFER_GATEWAY_* environment > default.
+`engines` is a repeatable `--engine URL` (env: comma-separated DEEPINFER_GATEWAY_ENGINES).
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import os
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from services.common import load_config
 from services.gateway.tokenizer import DEFAULT_TOKENIZER_JSON
 
-ENV_PREFIX = "DEEPINFER_GATEWAY_"
+ENV_PREFIX = "gateway"  # variables are DEEPINFER_GATEWAY_<FIELD>
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engines: tuple[str, ...] = ()        # engine base URLs, e.g. http://127.0.0.1:8200
-    api_keys: str = ""                   # "key1:tenantA,key2:tenantB"
-    open_access: bool = False            # local mode: no API key needed (tenant "public")
-    admin_token: str = ""                # for our /admin/* and the engines' /admin/*; "" disables
-    redis_url: str = "redis://127.0.0.1:6379/0"  # the prefix index; "" = every request a miss
-    redis_cluster: bool = False
-    index_prefix: str = "dikv"           # key prefix of the prefix index in Redis
-    served_model: str = "deepseek-chat"  # the `model` clients send and /v1/models lists
-    tokenizer_json: Path = DEFAULT_TOKENIZER_JSON
-    token_cache_bytes: int = 256 << 20   # bytes of cached message token ids
-    default_max_tokens: int = 4096       # when a request sets none (capped by the context left)
-    max_body_bytes: int = 64 << 20       # a 128K-token conversation is ~0.5 MB of JSON
-    lookup_timeout_s: float = 0.5        # a slower prefix index answer counts as a miss
-    engine_poll_s: float = 2.0           # how often engines' /readyz and /admin/stats are read
-    engine_connect_timeout_s: float = 2.0
-    first_token_timeout_s: float = 600.0  # also the longest gap between two streamed tokens
-    drain_timeout_s: float = 30.0        # on shutdown, how long in-flight requests may finish
+    """The gateway: OpenAI-compatible API, chat template, prefix lookup, routing to engines."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    engines: list[str] = field(default_factory=list, metadata={
+        "flag": "engine", "help": "an engine's base URL, e.g. http://127.0.0.1:8200 (repeatable)"})
+    api_keys: str = field(default="", metadata={"help": "API keys and their tenants: "
+                                                        "KEY:TENANT,KEY:TENANT"})
+    open_access: bool = field(default=False, metadata={
+        "help": "local mode: requests without a known key are served as tenant 'public'"})
+    admin_token: str = field(default="", metadata={
+        "help": "bearer token for /admin/* here and on the engines (empty: admin off)"})
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
+        "help": "prefix index Redis URL (empty: every request is a miss)"})
+    redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis "
+                                                                 "Cluster node"})
+    index_prefix: str = field(default="dikv", metadata={"help": "prefix index Redis key prefix"})
+    served_model: str = field(default="deepseek-chat", metadata={
+        "help": "the model name clients send and /v1/models lists"})
+    tokenizer_json: str = field(default=str(DEFAULT_TOKENIZER_JSON), metadata={
+        "help": "tokenizer.json of the served model"})
+    token_cache_bytes: int = field(default=256 << 20, metadata={
+        "help": "bytes of cached message token ids"})
+    default_max_tokens: int = field(default=4096, metadata={
+        "help": "completion budget of a request that sets none (capped by the context left)"})
+    max_body_bytes: int = field(default=64 << 20, metadata={
+        "help": "largest request body (a 128K-token conversation is ~0.5 MB of JSON)"})
+    lookup_timeout_s: float = field(default=0.5, metadata={
+        "help": "seconds a prefix lookup may take before the request is served as a miss"})
+    engine_poll_s: float = field(default=2.0, metadata={
+        "help": "seconds between reads of each engine's /readyz and /admin/stats"})
+    engine_connect_timeout_s: float = field(default=2.0, metadata={
+        "help": "seconds to connect to an engine"})
+    first_token_timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds an engine may take to send the first token, or between two tokens"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "seconds in-flight requests may take to finish on shutdown"})
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -52,43 +67,12 @@ class GatewayConfig:
         for url in self.engines:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
-        api_keys(self.api_keys)  # fails early on a malformed list
+        api_keys(self.api_keys)  # fails at startup on a malformed list
 
     @classmethod
     def load(cls, argv: Sequence[str] | None = None,
              environ: Mapping[str, str] | None = None) -> "GatewayConfig":
-        environ = os.environ if environ is None else environ
-        parser = argparse.ArgumentParser(prog="python -m services.gateway",
-                                         description="DeepInfer gateway")
-        for field in fields(cls):
-            parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
-                                default=None, help=f"env {ENV_PREFIX}{field.name.upper()}")
-        flags = vars(parser.parse_args(argv))
-        values = {}
-        for field in fields(cls):
-            raw = flags[field.name]
-            if raw is None:
-                raw = environ.get(ENV_PREFIX + field.name.upper())
-            if raw is not None:
-                values[field.name] = _convert(field, raw)
-        return cls(**values)
-
-
-def _convert(field: dataclasses.Field, raw: str):
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
-    if kind == "bool":
-        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-            raise ValueError(f"{field.name}: expected a boolean, got {raw!r}")
-        return raw.lower() in ("1", "true", "yes", "on")
-    if kind == "int":
-        return int(raw)
-    if kind == "float":
-        return float(raw)
-    if kind == "Path":
-        return Path(raw)
-    if kind.startswith("tuple"):
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
-    return raw
+        return load_config(cls, ENV_PREFIX, argv, environ)
 
 
 def api_keys(spec: str) -> dict[str, str]:
