@@ -5,8 +5,8 @@ import logging
 import time
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common import add_metrics_route
 from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway_state import GatewayState
@@ -66,11 +66,6 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ready_engines else 503)
 
 
-async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(request.app[STATE].metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response(openapi_document(state.tokenizer.vocab_size,
@@ -104,7 +99,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    add_metrics_route(app, state.metrics.registry)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/stats", admin_stats)
     return app
