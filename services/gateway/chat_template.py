@@ -11,6 +11,8 @@ special tokens split the template's string anyway, this gives the same ids as to
 rendered string, except that text looking like a special token stays text. It also makes the
 rendering prefix-stable by construction: turn N+1's ids start with turn N's prompt ids, then the
 answer's ids, then <｜end▁of▁sentence｜>, which is what lets the KV cache of turn N serve turn N+1.
+(As in DeepSeek's template, every system message goes to the front: adding one mid-conversation
+changes the prompt's beginning, and with it every cached block.)
 """
 from __future__ import annotations
 
