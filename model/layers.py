@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from typing import NamedTuple
@@ -13,7 +14,14 @@ INIT_STD = 0.02  # DeepSeek's initializer_range
 
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str) -> nnx.Param:
-    return nnx.Param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+    """N(0, 0.02) weights. The stream is seeded from the module's JAX key but drawn with numpy: eager
+    jax.random compiles a kernel per shape, which made initialising a preset take minutes."""
+    key = rngs.params()
+    if isinstance(key, jax.core.Tracer):  # under nnx.eval_shape: only shapes matter
+        return nnx.Param(jax.random.normal(key, shape, jnp.float32).astype(dtype))
+    seed = np.asarray(jax.random.key_data(key)).astype(np.uint32)
+    values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(INIT_STD)
+    return nnx.Param(jnp.asarray(values, dtype=dtype))
 
 
 class Linear(nnx.Module):

@@ -175,6 +175,9 @@ class ModelRunner:
             pos = start + done
             for layer in range(self.cfg.num_layers):
                 if load_prefix is not None and done == 0:
+                    # Finish the layers already queued first, so the time load_prefix blocks is
+                    # exactly the time compute waits for disk (the prefetch stall).
+                    jax.block_until_ready(x_TD)
                     cache.place_prefix(layer, load_prefix(layer))
                 x_TD = self.layer(layer, x_TD, cache, pos)
             done += piece.size

@@ -1,0 +1,24 @@
+"""python -m services.engine [--port 8200] [--preset mini | --model-dir DIR] [--volume DIR ...] [--redis-url URL]"""
+import logging
+import sys
+
+from aiohttp import web
+
+from services.common.config import ConfigError
+from services.engine.app import build_app
+from services.engine.config import load
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load(argv)
+    except ConfigError as error:
+        print(f"engine: configuration error: {error}", file=sys.stderr)
+        return 2
+    web.run_app(build_app(cfg), host=cfg.host, port=cfg.port, print=None, shutdown_timeout=30.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

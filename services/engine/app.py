@@ -1,0 +1,232 @@
+"""The engine's HTTP API: POST /internal/generate (NDJSON stream), health, metrics, admin."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import uuid
+
+import numpy as np
+from aiohttp import web
+
+from kvstore import CacheGeometry, Hit, SegmentRun, block_hashes, miss
+from kvstore.location import SEGMENT_ID, VOLUME_ID
+from model.runner import ModelRunner, enable_compilation_cache
+from model.sampling import SamplingParams
+from services.common.admin import admin_auth_middleware
+from services.common.metrics import add_metrics_route
+from services.engine.cache_link import CacheLink
+from services.engine.config import EngineConfig
+from services.engine.engine_metrics import EngineMetrics
+from services.engine.generation import Generator, Job, QueueFull
+from services.engine.model_source import open_model
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # a 128K-token prompt is ~1 MB of JSON
+RETENTION_CLASSES = ("chat", "agent")
+
+
+class BadJob(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                             status=status, headers=headers)
+
+
+def _field(body: dict, name: str, kind, default=None, required: bool = False):
+    if name not in body or body[name] is None:
+        if required:
+            raise BadJob(f"'{name}' is required", name)
+        return default
+    value = body[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise BadJob(f"'{name}' must be of type {kind.__name__}", name)
+    return value
+
+
+def parse_job(body: object, fingerprint: str, block_tokens: int) -> Job:
+    if not isinstance(body, dict):
+        raise BadJob("the body must be a JSON object")
+    tokens = _field(body, "tokens", list, required=True)
+    if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadJob("'tokens' must be a non-empty list of integer token ids", "tokens")
+    salt = _field(body, "tenant_salt", str, "")
+    tenant = _field(body, "tenant", str, "")
+    retention = _field(body, "retention", str, "chat")
+    if retention not in RETENTION_CLASSES:
+        raise BadJob(f"'retention' must be one of {RETENTION_CLASSES}", "retention")
+    try:
+        stop = tuple(int(t) for t in _field(body, "stop_token_ids", list, []))
+        params = SamplingParams(max_tokens=_field(body, "max_tokens", int, 16),
+                                temperature=_field(body, "temperature", float, 0.0),
+                                top_p=_field(body, "top_p", float, 1.0), top_k=_field(body, "top_k", int, 0),
+                                seed=_field(body, "seed", int, None), stop_token_ids=stop)
+    except (TypeError, ValueError) as error:
+        raise BadJob(str(error)) from None
+    token_array = np.asarray(tokens, np.int64)
+    return Job(str(body.get("request_id") or uuid.uuid4().hex), token_array, tenant, salt,
+               _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention)
+
+
+def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:
+    """The gateway's lookup result. Block hashes are recomputed here from the tokens: the store checks
+    stored data against these, so a stale or wrong location can only ever be a miss."""
+    if not raw:
+        return miss()
+    if not isinstance(raw, dict) or not isinstance(raw.get("blocks"), int) or not isinstance(raw.get("locations"), list):
+        raise BadJob("'hit' must be {\"blocks\": int, \"locations\": [...]}", "hit")
+    blocks = min(raw["blocks"], (tokens.size - 1) // block_tokens)
+    if blocks <= 0:
+        return miss()
+    runs = []
+    for item in raw["locations"]:
+        try:
+            run = SegmentRun(**item)
+            if not (VOLUME_ID.match(run.volume) and SEGMENT_ID.match(run.segment)) or run.count <= 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise BadJob("'hit.locations' holds a malformed segment run", "hit") from None
+        runs.append(run)
+    if sum(run.count for run in runs) < raw["blocks"]:
+        raise BadJob("'hit.locations' cover fewer blocks than 'hit.blocks'", "hit")
+    hashes = block_hashes(tokens[: blocks * block_tokens].tolist(), fingerprint, salt, block_tokens)
+    return Hit(hashes[0], tuple(hashes), tuple(runs)).truncated(blocks)
+
+
+class EngineState:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.metrics = EngineMetrics()
+        self.generator: Generator | None = None
+        self.cache: CacheLink | None = None
+        self.loaded = None
+        self.ready = False
+        self.load_error: str | None = None
+
+    async def start(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            enable_compilation_cache()
+            cfg = self.cfg
+            self.loaded = await loop.run_in_executor(None, open_model, cfg.model_dir, cfg.preset, cfg.models_dir,
+                                                     cfg.cache_dtype)
+            model_cfg = self.loaded.config
+            runner = ModelRunner(self.loaded.model, model_cfg, chunk_tokens=cfg.chunk_tokens)
+            geometry = CacheGeometry(model_cfg.num_layers, model_cfg.latent_dim, cfg.block_tokens, model_cfg.cache_dtype)
+            self.cache = CacheLink(cfg, geometry, self.loaded.fingerprint)
+            await self.cache.start()
+            self.generator = Generator(self.loaded, runner, self.cache, cfg, self.metrics)
+            if cfg.warmup:
+                await loop.run_in_executor(self.generator.executor, self.generator.warm_up)
+            self.ready = True
+            log.info("engine ready: %s (fingerprint %s) on %s:%d", model_cfg.name, self.loaded.fingerprint,
+                     cfg.host, cfg.port)
+        except Exception as error:
+            self.load_error = repr(error)
+            log.exception("engine failed to load its model")
+
+    async def stop(self) -> None:
+        if self.generator is not None:
+            await self.generator.drain(timeout_s=10.0)
+        if self.cache is not None:
+            await self.cache.close()
+
+    def stats(self) -> dict:
+        out = {"ready": self.ready, "load_error": self.load_error, "block_tokens": self.cfg.block_tokens}
+        if self.loaded is not None:
+            c = self.loaded.config
+            out |= {"model": c.name, "fingerprint": self.loaded.fingerprint, "max_context": c.max_context,
+                    "num_layers": c.num_layers, "latent_dim": c.latent_dim, "cache_dtype": c.cache_dtype}
+        if self.generator is not None:
+            g = self.generator
+            out |= {"in_flight": g.active, "waiting": g.waiting, "pending_saves": len(g.saves),
+                    "prefill_tokens_per_s": g.prefill_tokens_per_s}
+        if self.cache is not None:
+            out["cache_connected"] = self.cache.store is not None
+            if self.cache.store is not None:
+                out["store"] = dataclasses.asdict(self.cache.store.stats)
+        return out
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state: EngineState = request.app["state"]
+    if not state.ready:
+        return _error(503, "the engine is still loading its model", kind="service_unavailable",
+                      headers={"Retry-After": "2"})
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _error(400, "the body is not valid JSON")
+    try:
+        job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens)
+        state.generator.check(job.tokens, job.params)
+    except BadJob as error:
+        return _error(400, str(error), error.param)
+    except ValueError as error:
+        return _error(400, str(error), "tokens")
+    events = state.generator.run(job)
+    try:
+        first = await events.__anext__()
+    except QueueFull:
+        return _error(503, "the engine's queue is full", kind="service_unavailable", headers={"Retry-After": "1"})
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        await response.write(json.dumps(first).encode() + b"\n")
+        async for event in events:
+            await response.write(json.dumps(event).encode() + b"\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        log.info("request %s: client went away, generation cancelled", job.request_id)
+        raise
+    except Exception as error:  # noqa: BLE001 - report on the stream, the status line is already sent
+        log.exception("request %s failed", job.request_id)
+        await response.write(json.dumps({"type": "error", "message": repr(error)}).encode() + b"\n")
+    finally:
+        await events.aclose()
+    await response.write_eof()
+    return response
+
+
+def build_app(cfg: EngineConfig) -> web.Application:
+    state = EngineState(cfg)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[admin_auth_middleware(cfg.admin_token)])
+    app["state"] = state
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        checks = {"model": state.ready}
+        if state.cache is not None:
+            checks |= await state.cache.ready()
+        # The cache is an accelerator: the engine is ready once its model is loaded and warm.
+        return web.json_response({"ready": state.ready, "checks": checks, "error": state.load_error},
+                                 status=200 if state.ready else 503)
+
+    async def admin_stats(_: web.Request) -> web.Response:
+        return web.json_response(state.stats())
+
+    async def on_startup(_: web.Application) -> None:
+        app["loader"] = asyncio.create_task(state.start())
+
+    async def on_shutdown(_: web.Application) -> None:
+        app["loader"].cancel()
+        await state.stop()
+
+    app.router.add_post("/internal/generate", generate)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/admin/stats", admin_stats)
+    add_metrics_route(app, state.metrics.registry)
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    return app

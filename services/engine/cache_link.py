@@ -1,0 +1,57 @@
+"""The engine's link to the latent cache: a BlockStore over the mounted volumes and the Redis index.
+
+The cache is an accelerator, not a dependency: if Redis or a volume is unreachable at start the
+engine serves misses and keeps trying to connect in the background.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvstore import BlockStore, CacheGeometry, PrefixIndex, open_redis
+from services.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0
+
+
+class CacheLink:
+    def __init__(self, cfg: EngineConfig, geometry: CacheGeometry, fingerprint: str):
+        self.cfg = cfg
+        self.geometry = geometry
+        self.fingerprint = fingerprint
+        self.store: BlockStore | None = None
+        self.index: PrefixIndex | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self.cfg.caching:
+            self._task = asyncio.create_task(self._connect())
+
+    async def _connect(self) -> None:
+        while self.store is None:
+            try:
+                index = PrefixIndex(open_redis(self.cfg.redis_url, self.cfg.redis_cluster), self.cfg.index_prefix)
+                if not await index.ping():
+                    raise ConnectionError(f"redis at {self.cfg.redis_url} does not answer")
+                self.store = await BlockStore.open(
+                    self.cfg.volumes, self.geometry, self.fingerprint, index,
+                    budget_bytes=self.cfg.budget_bytes or None, read_ahead=self.cfg.read_ahead)
+                self.index = index
+                log.info("latent cache connected: %d volumes, redis %s", len(self.cfg.volumes), self.cfg.redis_url)
+            except Exception as error:  # noqa: BLE001 - any failure here means "serve misses, retry"
+                log.warning("latent cache unavailable (%r); serving misses, retrying in %.0f s", error, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+
+    async def ready(self) -> dict[str, bool]:
+        if not self.cfg.caching:
+            return {}
+        return {"cache": self.store is not None and self.index is not None and await self.index.ping()}
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.store is not None:
+            await self.store.close()

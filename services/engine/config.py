@@ -1,0 +1,53 @@
+"""The engine's configuration: one dataclass, filled from CLI flags and DEEPINFER_ENGINE_* variables."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.config import load_config
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """DeepInfer engine: serves one MLA model, loads cached prefixes layer by layer, saves new blocks."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8200, metadata={"help": "port to bind"})
+    model_dir: str = field(default="", metadata={"help": "a saved or converted model directory (overrides preset)"})
+    preset: str = field(default="mini", metadata={"help": "model preset when no model_dir: tiny, mini, ..."})
+    models_dir: str = field(default="data/models", metadata={"help": "where preset weights are created on first run"})
+    cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype: bfloat16 or float32"})
+    volumes: list[str] = field(default_factory=list, metadata={
+        "flag": "volume", "help": "a cache volume (directory or tensorstore kvstore spec); repeat per SSD"})
+    redis_url: str = field(default="", metadata={"help": "prefix index; empty disables the cache"})
+    redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
+    index_prefix: str = field(default="dikv", metadata={"help": "key prefix of the prefix index"})
+    budget_bytes: int = field(default=0, metadata={"help": "per-volume byte budget (0 = unlimited)"})
+    block_tokens: int = field(default=64, metadata={"help": "tokens per cached block"})
+    read_ahead: int = field(default=2, metadata={"help": "layers read ahead of compute on a hit"})
+    save: bool = field(default=True, metadata={"help": "save new blocks after each request"})
+    chunk_tokens: int = field(default=512, metadata={"help": "prefill chunk size, tokens"})
+    concurrency: int = field(default=2, metadata={"help": "requests generating at once (steps interleave)"})
+    max_queue: int = field(default=32, metadata={"help": "requests waiting beyond that; more get 503"})
+    prefetch_deadline_factor: float = field(default=1.0, metadata={
+        "help": "recompute instead of waiting for disk once a load takes this many times its recompute time"})
+    admin_token: str = field(default="", metadata={"help": "bearer token for /admin/*; empty disables admin"})
+    warmup: bool = field(default=True, metadata={"help": "compile common shapes before reporting ready"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("block_tokens", "chunk_tokens", "concurrency", "read_ahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.cache_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
+
+    @property
+    def caching(self) -> bool:
+        return bool(self.redis_url and self.volumes)
+
+
+def load(argv: list[str] | None = None, env: dict[str, str] | None = None) -> EngineConfig:
+    return load_config(EngineConfig, "engine", argv, env)

@@ -1,0 +1,32 @@
+"""The engine's Prometheus metrics (a per-engine registry)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("deepinfer_engine_ttft_seconds", "Time to first token inside the engine",
+                              ["path"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prefill_tokens = Counter("deepinfer_engine_prefill_tokens_total",
+                                      "Prompt tokens by source: computed or loaded from the cache",
+                                      ["source"], registry=r)
+        self.prefetch_stall = Counter("deepinfer_engine_prefetch_stall_seconds_total",
+                                      "Time compute waited for cached latents", registry=r)
+        self.bytes_loaded = Counter("deepinfer_engine_loaded_bytes_total", "Latent bytes loaded on hits",
+                                    registry=r)
+        self.generated_tokens = Counter("deepinfer_engine_generated_tokens_total", "Tokens generated",
+                                        registry=r)
+        self.decode_seconds = Counter("deepinfer_engine_decode_seconds_total", "Time spent decoding",
+                                      registry=r)
+        self.requests = Counter("deepinfer_engine_requests_total", "Requests by outcome", ["outcome"],
+                                registry=r)
+        self.cache_fallbacks = Counter("deepinfer_engine_cache_fallbacks_total",
+                                       "Hits served (partly) by recompute, by reason", ["reason"], registry=r)
+        self.saves = Counter("deepinfer_engine_saves_total", "Block saves by outcome", ["outcome"], registry=r)
+        self.saved_blocks = Counter("deepinfer_engine_saved_blocks_total", "Blocks saved", registry=r)
+        self.queue_depth = Gauge("deepinfer_engine_queue_depth", "Requests waiting for a slot", registry=r)
+        self.in_flight = Gauge("deepinfer_engine_in_flight", "Requests generating", registry=r)

@@ -1,0 +1,147 @@
+"""The engine as a real process: misses, hits through the real index and volumes, bad input, queueing."""
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from kvstore import PrefixIndex, block_hashes, open_redis
+from model.runner import ModelRunner
+from model.sampling import SamplingParams
+from model.weights import load_model
+from tests.conftest import free_port
+
+ADMIN = {"Authorization": "Bearer engine-admin"}
+SALT = "0f" * 16
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, valkey_server):
+    tmp = tmp_path_factory.mktemp("engine")
+    port = free_port()
+    args = [sys.executable, "-m", "services.engine", "--port", str(port), "--preset", "tiny",
+            "--models-dir", str(tmp / "models"), "--volume", str(tmp / "v0"), "--volume", str(tmp / "v1"),
+            "--redis-url", valkey_server.connection_url, "--index-prefix", "enginetest",
+            "--admin-token", "engine-admin", "--concurrency", "1", "--max-queue", "1"]
+    log = open(tmp / "engine.log", "w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        assert proc.poll() is None, (tmp / "engine.log").read_text()[-3000:]
+        try:
+            import urllib.request
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        raise AssertionError("engine not ready: " + (tmp / "engine.log").read_text()[-3000:])
+    yield url, tmp / "models" / "tiny", valkey_server.connection_url
+    proc.terminate()
+    proc.wait(30)
+
+
+async def _generate(url: str, job: dict) -> tuple[int, list[dict]]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/internal/generate", json=job) as r:
+            if r.status != 200:
+                return r.status, [await r.json()]
+            import json
+            return 200, [json.loads(line) for line in (await r.text()).splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    _, model_dir, _ = engine
+    loaded = load_model(model_dir)
+    return loaded, ModelRunner(loaded.model, loaded.config)
+
+
+async def test_miss_then_hit_through_the_index_gives_the_same_tokens(engine, reference):
+    url, _, redis_url = engine
+    loaded, runner = reference
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 129_280, 300)]
+    expected = list(runner.generate(np.array(tokens), SamplingParams(max_tokens=10)))
+    job = {"tokens": tokens, "max_tokens": 10, "tenant_salt": SALT, "tenant": "t1"}
+
+    status, events = await _generate(url, job)
+    assert status == 200
+    assert [e["id"] for e in events if e["type"] == "token"] == expected
+    assert events[-1]["type"] == "done" and events[-1]["cached_tokens"] == 0
+
+    index = PrefixIndex(open_redis(redis_url), "enginetest")
+    hashes = block_hashes(tokens, loaded.fingerprint, SALT, 64)
+    for _ in range(100):  # the save runs after the response; it publishes once durable
+        hit = await index.lookup(hashes[: (len(tokens) - 1) // 64])
+        if hit.blocks == 4:
+            break
+        await asyncio.sleep(0.1)
+    assert hit.blocks == 4
+    job["hit"] = {"blocks": hit.blocks, "locations": [run._asdict() for run in hit.runs]}
+    status, events = await _generate(url, job)
+    assert [e["id"] for e in events if e["type"] == "token"] == expected
+    done = events[-1]
+    assert done["cached_tokens"] == 256 and done["timing"]["loaded_bytes"] == 256 * 2 * 48 * 2
+
+
+async def test_bad_jobs_get_clear_400s(engine):
+    url, _, _ = engine
+    cases = [({"tokens": [1, 2, 129_280]}, "token id 129280 out of range"),
+             ({"tokens": []}, "'tokens' must be a non-empty list"),
+             ({"tokens": ["a"]}, "'tokens' must be a non-empty list"),
+             ({"tokens": [1, 2], "max_tokens": 0}, "max_tokens must be >= 1"),
+             ({"tokens": [1, 2], "temperature": "hot"}, "'temperature' must be of type float"),
+             ({"tokens": [1] * 16_000, "max_tokens": 1000}, "exceeds the context length"),
+             ({"tokens": [1] * 200, "hit": {"blocks": 2, "locations": [{"volume": "../../etc"}]}}, "malformed"),
+             ({"tokens": [1, 2], "retention": "forever"}, "'retention' must be one of")]
+    for job, message in cases:
+        status, body = await _generate(url, job)
+        assert status == 400, job
+        assert message in body[0]["error"]["message"], (job, body)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/internal/generate", data=b"{not json") as r:
+            assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+
+
+async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
+    url, _, _ = engine
+    long_job = {"tokens": [5, 6, 7], "max_tokens": 2000}
+    async with aiohttp.ClientSession() as session:
+        first = await session.post(url + "/internal/generate", json=long_job)   # holds the only slot
+        await first.content.readline()
+        second = asyncio.create_task(session.post(url + "/internal/generate", json=long_job))  # queued
+        await asyncio.sleep(0.5)
+        async with session.post(url + "/internal/generate", json=long_job) as third:
+            assert third.status == 503 and third.headers["Retry-After"] == "1"
+        first.close()  # the client goes away: its generation stops and the queued one starts
+        queued = await asyncio.wait_for(second, 30)
+        assert queued.status == 200
+        await queued.content.readline()
+        queued.close()
+        for _ in range(100):
+            async with session.get(url + "/admin/stats", headers=ADMIN) as r:
+                stats = await r.json()
+            if stats["in_flight"] == 0 and stats["waiting"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert stats["in_flight"] == 0 and stats["waiting"] == 0
+
+
+async def test_health_metrics_and_admin_auth(engine):
+    url, _, _ = engine
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/healthz") as r:
+            assert r.status == 200
+        async with session.get(url + "/admin/stats") as r:
+            assert r.status == 401
+        async with session.get(url + "/admin/stats", headers={"Authorization": "Bearer nope"}) as r:
+            assert r.status == 403
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+        assert "deepinfer_engine_ttft_seconds" in text and "deepinfer_engine_prefill_tokens_total" in text
