@@ -70,6 +70,7 @@ async def test_engine_job_carries_a_hit_the_engine_can_rebuild(index):
                         "messages")
     body = engine_job_body(job, hashes, hit, max_tokens=16)
     assert body["hit"]["blocks"] == 2 and body["tenant_salt"] == tenant.salt
+    assert body["tenant"] == "tenantA"
     assert body["block_hashes"] == [h.hex() for h in hashes]
     wire = [bytes.fromhex(h) for h in body["block_hashes"]]
     rebuilt = Hit(wire[0], tuple(wire[:body["hit"]["blocks"]]),

@@ -135,6 +135,7 @@ def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_token
     return {
         "request_id": job.request_id,
         "tokens": job.tokens,
+        "tenant": job.tenant.name,  # recorded with the blocks the engine saves
         "tenant_salt": job.tenant.salt,
         "block_hashes": [h.hex() for h in hashes],
         # Items are kvstore SegmentRuns as objects; the engine rebuilds the Hit as
