@@ -40,6 +40,29 @@ def block_checksums(rows: np.ndarray, block_tokens: int) -> np.ndarray:
     return (per_row * weights).sum(axis=1, dtype=np.uint64)
 
 
+def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np.ndarray, block_tokens: int,
+                  chunk_blocks: int = 8) -> int | None:
+    """Copy len(expected) blocks from source[start:] into `rows` (n_blocks * block_tokens, latent_dim),
+    verifying each block's checksum against `expected` (n_blocks,) while it is still in cache.
+
+    Returns the index of the first block that is missing or fails, or None if all are good.
+    Blocking (run it in a worker thread: numpy copies and sums release the GIL).
+    """
+    n_blocks = len(expected)
+    block_bytes = rows.nbytes // max(n_blocks, 1)
+    available = max(0, min(n_blocks, (len(source) - start) // block_bytes))
+    src = np.frombuffer(source, np.uint8, count=available * block_bytes, offset=start) if available else None
+    dst = rows.reshape(-1).view(np.uint8)
+    bt = block_tokens
+    for a in range(0, available, chunk_blocks):
+        b = min(available, a + chunk_blocks)
+        dst[a * block_bytes:b * block_bytes] = src[a * block_bytes:b * block_bytes]
+        bad = np.flatnonzero(block_checksums(rows[a * bt:b * bt], bt) != expected[a:b])
+        if bad.size:
+            return a + int(bad[0])
+    return None if available == n_blocks else available
+
+
 class SegmentHeader(NamedTuple):
     fingerprint: str
     geometry: CacheGeometry

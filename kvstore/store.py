@@ -21,7 +21,7 @@ from .prefetch import LayerRead, Prefetch
 from .retention import RetentionPolicy
 from .hashing import HASH_BYTES
 from .segment import (PREAMBLE_BYTES, SegmentFormatError, SegmentHeader, SegmentMissing, block_checksums,
-                      data_offset_for, decode_header, encode_segment, header_length)
+                      copy_verified, data_offset_for, decode_header, encode_segment, header_length)
 from .stats import StoreStats
 from .volume import Volume
 
@@ -70,7 +70,7 @@ class BlockStore:
     def __init__(self, volumes: Sequence[Volume], geometry: CacheGeometry, fingerprint: str,
                  index: PrefixIndex, ledger: VolumeLedger, pool: ThreadPoolExecutor, *,
                  budget_bytes: int | None = None, retention: RetentionPolicy = RetentionPolicy(),
-                 max_segment_blocks: int = 64, read_ahead: int = 2, read_chunk_bytes: int = 8 * MiB,
+                 max_segment_blocks: int = 64, read_ahead: int = 2, read_chunk_bytes: int = 4 * MiB,
                  reader_grace_s: float = 30.0) -> None:
         if not volumes:
             raise ValueError("a block store needs at least one volume")
@@ -97,10 +97,11 @@ class BlockStore:
 
     @classmethod
     async def open(cls, volumes: Sequence[str | dict[str, Any]], geometry: CacheGeometry, fingerprint: str,
-                   index: PrefixIndex, *, threads: int = 4, direct_reads: bool = True, **options) -> "BlockStore":
-        """Open (creating if needed) the volumes; `options` are the constructor's keywords."""
+                   index: PrefixIndex, *, threads: int = 4, read_mode: str = "mmap", **options) -> "BlockStore":
+        """Open (creating if needed) the volumes; `read_mode` for `file` volumes: "mmap", "pread" or
+        "tensorstore" (see Volume); `options` are the constructor's keywords."""
         pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-io")
-        opened = [await Volume.open(v, pool, direct_reads) for v in volumes]
+        opened = [await Volume.open(v, pool, read_mode) for v in volumes]
         ledger = VolumeLedger(index.redis, index.prefix)
         return cls(opened, geometry, fingerprint, index, ledger, pool, **options)
 
@@ -305,10 +306,17 @@ class BlockStore:
         return LayerRead(out[:valid * g.block_tokens], valid)
 
     async def _read_run(self, run: SegmentRun, layer: int, rows: np.ndarray, header: SegmentHeader) -> int | None:
-        """Read one run's layer into `rows`; the index of its first bad block, or None."""
+        """Read one run's layer into `rows` (run.count * block_tokens, latent_dim), verifying each
+        block; the index of its first missing or bad block, or None."""
         g = self.geometry
         volume = self.volumes[run.volume]
         start = run.data_offset + (layer * run.n_blocks + run.first) * g.block_bytes
+        expected = header.checksums[layer, run.first:run.first + run.count]
+        loop = asyncio.get_running_loop()
+        if volume.read_mode == "mmap":
+            def copy() -> int | None:
+                return copy_verified(volume.mapped(run.segment), start, rows, expected, g.block_tokens)
+            return await loop.run_in_executor(self._pool, copy)
         buffer = memoryview(rows.reshape(-1).view(np.uint8))
         step = max(g.block_bytes, self.read_chunk_bytes // g.block_bytes * g.block_bytes)
         offsets = range(0, len(buffer), step)
@@ -316,9 +324,7 @@ class BlockStore:
                                      for o in offsets))
         short = [o + n for o, n in zip(offsets, got) if n < min(step, len(buffer) - o)]
         complete = min(short) // g.block_bytes if short else run.count  # blocks fully read
-        expected = header.checksums[layer, run.first:run.first + run.count]
-        actual = await asyncio.get_running_loop().run_in_executor(
-            self._pool, block_checksums, rows, g.block_tokens)
+        actual = await loop.run_in_executor(self._pool, block_checksums, rows, g.block_tokens)
         mismatch = np.flatnonzero(actual[:complete] != expected[:complete])
         if mismatch.size:
             return int(mismatch[0])
@@ -333,7 +339,7 @@ class BlockStore:
             await self.index.drop(hit.root, hit.hashes[block], segment)
         except Exception:  # the index may be down: the entry then just stays a miss next time too
             log.exception("could not drop a bad index entry")
-        self._headers.pop(segment, None)
+        self.forget(segment)
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -356,7 +362,10 @@ class BlockStore:
             self._spawn(self.ledger.touch([(r.volume, r.segment) for r in hit.runs]))
 
     def forget(self, segment: str) -> None:
+        """Drop what this process caches about a segment (its header, its mapping)."""
         self._headers.pop(segment, None)
+        for volume in self.volumes.values():
+            volume.unmap(segment)
 
     def _spawn(self, coro) -> None:
         async def logged():

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import secrets
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +17,8 @@ from .location import SEGMENT_ID, VOLUME_ID
 
 ID_KEY = "VOLUME_ID"
 SEGMENT_DIR = "segments/"
+READ_MODES = ("mmap", "pread", "tensorstore")
+MAX_MAPPED_SEGMENTS = 4096
 
 
 def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
@@ -39,24 +44,32 @@ def segment_key(segment: str) -> str:
 class Volume:
     """Segments in one kvstore root.
 
-    Invariants: a write is atomic and durable when it returns (tensorstore writes to a temporary
-    file and renames it, with fsync: `file_io_sync`), so a reader sees a whole segment or none;
-    `read_into` never returns bytes of another key. For `file` volumes reads bypass tensorstore
-    and `preadv` straight into the caller's buffer (one copy from the page cache); other drivers
-    read through tensorstore byte ranges.
+    Invariants: a write is atomic and durable when it returns (tensorstore writes a temporary
+    file, fsyncs it (`file_io_sync`) and renames it), so a reader sees a whole segment or none;
+    a segment object never changes after that, it is only deleted (unlinked).
+
+    Reads of `file` volumes bypass tensorstore (the benchmark decided, see BENCHMARKS.md):
+    "mmap" (default) keeps each segment file mapped, and a read copies from the mapping,
+    which avoids the kernel's slower copy_to_user path and re-populating page tables;
+    "pread" preadv()s into the caller's buffer. Other drivers (and "tensorstore") read through
+    tensorstore byte ranges. Caveat of "mmap": a segment file truncated in place by something
+    other than kvstore while mapped makes a read fault (SIGBUS); kvstore never does that.
     """
 
-    def __init__(self, store: ts.KvStore, spec: dict[str, Any], volume_id: str,
-                 pool: ThreadPoolExecutor, direct_reads: bool) -> None:
+    def __init__(self, store: ts.KvStore, spec: dict[str, Any], volume_id: str, pool: ThreadPoolExecutor,
+                 read_mode: str = "mmap") -> None:
+        if read_mode not in READ_MODES:
+            raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
         self.store = store
         self.spec = spec
         self.id = volume_id
         self._pool = pool
-        self._root = spec["path"] if spec.get("driver") == "file" and direct_reads else None
+        self.read_mode = read_mode if spec.get("driver") == "file" else "tensorstore"
+        self._maps: OrderedDict[str, memoryview] = OrderedDict()  # segment -> mapping of its whole file
+        self._maps_lock = threading.Lock()
 
     @classmethod
-    async def open(cls, volume: str | dict[str, Any], pool: ThreadPoolExecutor,
-                   direct_reads: bool = True) -> "Volume":
+    async def open(cls, volume: str | dict[str, Any], pool: ThreadPoolExecutor, read_mode: str = "mmap") -> "Volume":
         spec = volume_spec(volume)
         if spec.get("driver") == "file":
             os.makedirs(spec["path"], exist_ok=True)
@@ -68,16 +81,20 @@ class Volume:
         volume_id = found.value.decode().strip()
         if not VOLUME_ID.match(volume_id):
             raise ValueError(f"volume {spec} has a malformed {ID_KEY}: {volume_id!r}")
-        return cls(store, spec, volume_id, pool, direct_reads)
+        return cls(store, spec, volume_id, pool, read_mode)
 
     @property
     def name(self) -> str:
         return self.spec.get("path") or str(self.spec)
 
+    def _path(self, segment: str) -> str:
+        return self.spec["path"] + segment_key(segment)
+
     async def write(self, segment: str, payload: bytes) -> None:
         await self.store.write(segment_key(segment), payload)
 
     async def delete(self, segment: str) -> None:
+        self.unmap(segment)
         await self.store.write(segment_key(segment), None)
 
     async def read(self, segment: str, offset: int, length: int) -> bytes:
@@ -87,12 +104,39 @@ class Volume:
 
     async def read_into(self, segment: str, offset: int, out: memoryview) -> int:
         """Fill `out` from `offset`; returns bytes read (less than len(out) if short or gone)."""
-        if self._root is None:
+        if self.read_mode == "tensorstore":
             data = await self.read(segment, offset, len(out))
             out[:len(data)] = data
             return len(data)
-        path = self._root + segment_key(segment)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, _pread_all, path, offset, out)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, _pread_all, self._path(segment), offset, out)
+
+    def mapped(self, segment: str) -> memoryview | None:
+        """The whole segment object, memory-mapped read-only (empty if gone). Blocking: call from
+        a worker thread. Mappings are cached; dropping one never invalidates views in use."""
+        with self._maps_lock:
+            view = self._maps.get(segment)
+            if view is not None:
+                self._maps.move_to_end(segment)
+                return view
+        try:
+            fd = os.open(self._path(segment), os.O_RDONLY)
+        except FileNotFoundError:
+            return memoryview(b"")
+        try:
+            size = os.fstat(fd).st_size
+            view = memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ)) if size else memoryview(b"")
+        finally:
+            os.close(fd)
+        with self._maps_lock:
+            self._maps[segment] = view
+            while len(self._maps) > MAX_MAPPED_SEGMENTS:
+                self._maps.popitem(last=False)
+        return view
+
+    def unmap(self, segment: str) -> None:
+        with self._maps_lock:
+            self._maps.pop(segment, None)
 
     async def segments(self) -> list[str]:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))
@@ -104,7 +148,7 @@ class Volume:
         if self.spec.get("driver") != "file":
             return None
         try:
-            return time.time() - os.stat(self.spec["path"] + segment_key(segment)).st_mtime
+            return time.time() - os.stat(self._path(segment)).st_mtime
         except FileNotFoundError:
             return None
 
