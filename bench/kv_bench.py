@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import mmap
 import os
 import re
 import shutil
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +52,9 @@ def progress(message: str) -> None:
 
 
 def drop_caches() -> bool:
-    """Drop the page cache (root only) so the next read comes from the device."""
+    """Drop the page cache (root only) so the next read comes from the device. Pages still
+    mapped (a closed store's mappings not yet collected) would stay, hence the gc first."""
+    gc.collect()
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -58,15 +63,34 @@ def drop_caches() -> bool:
         return False
 
 
-def dd_read_gbps(path: Path, size_mib: int) -> float:
+def dd_read_gbps(path: Path, size_mib: int, block: str = "4M") -> float:
     """Sequential O_DIRECT read bandwidth of `path`'s device, via dd over a `size_mib` file."""
     if not path.exists() or path.stat().st_size < size_mib << 20:
         subprocess.run(["dd", "if=/dev/urandom", f"of={path}", "bs=4M", f"count={size_mib // 4}",
                         "oflag=direct"], check=True, capture_output=True)
-    out = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"],
+    out = subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={block}", "iflag=direct"],
                          check=True, capture_output=True, text=True).stderr
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
     return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def parallel_direct_read_gbps(path: Path, threads: int = 8, request: int = 4 << 20) -> float:
+    """O_DIRECT reads of `request` bytes, `threads` in flight at once: what the device gives a
+    reader that keeps a queue (dd keeps one request in flight)."""
+    size = path.stat().st_size // request * request
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffers = [mmap.mmap(-1, request) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+
+    def read(i: int) -> None:
+        for offset in range(i * request, size, threads * request):
+            os.preadv(fd, [buffers[i]], offset)
+    try:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
+        return size / (time.perf_counter() - started) / 1e9
+    finally:
+        os.close(fd)
 
 
 def random_layers(tokens: int, seed: int) -> list[np.ndarray]:
@@ -154,9 +178,17 @@ async def run(args: argparse.Namespace) -> dict:
                     "cold_is_cold": can_drop, "machine": report.machine(), "load_average_start": os.getloadavg()[0]}
 
     progress(f"raw device: dd iflag=direct over a {args.dd_mib} MiB file in {work}")
-    result["raw_dd_direct_gbps"] = dd_read_gbps(work / "dd.bin", args.dd_mib)
+    # dd with 4 MiB requests as in the issue; 64 MiB requests and 8 parallel readers keep more of
+    # the device busy at once; the best of the three is the reference the store is held to
+    result["raw_dd_direct_4m_gbps"] = dd_read_gbps(work / "dd.bin", args.dd_mib, "4M")
+    result["raw_dd_direct_64m_gbps"] = dd_read_gbps(work / "dd.bin", args.dd_mib, "64M")
+    result["raw_parallel_direct_gbps"] = parallel_direct_read_gbps(work / "dd.bin")
+    result["raw_gbps"] = max(result["raw_dd_direct_4m_gbps"], result["raw_dd_direct_64m_gbps"],
+                             result["raw_parallel_direct_gbps"])
     (work / "dd.bin").unlink()
-    progress(f"raw: {result['raw_dd_direct_gbps']:.2f} GB/s")
+    progress(f"raw: {result['raw_dd_direct_4m_gbps']:.2f} GB/s (dd 4 MiB requests), "
+             f"{result['raw_dd_direct_64m_gbps']:.2f} GB/s (dd 64 MiB), "
+             f"{result['raw_parallel_direct_gbps']:.2f} GB/s (8 x 4 MiB O_DIRECT in flight)")
 
     with ValkeyServer(port=free_port()) as valkey:
         client = open_redis(valkey.connection_url)
@@ -213,7 +245,7 @@ async def run(args: argparse.Namespace) -> dict:
                  f"warm {prefix_bytes / warm[-1] / 1e9:.2f} GB/s")
     result["naive_cold_gbps"] = prefix_bytes / statistics.median(cold) / 1e9
     result["naive_warm_gbps"] = prefix_bytes / statistics.median(warm) / 1e9
-    result["store_cold_vs_raw"] = result["store_cold_gbps"] / result["raw_dd_direct_gbps"]
+    result["store_cold_vs_raw"] = result["store_cold_gbps"] / result["raw_gbps"]
     result["load_average_end"] = os.getloadavg()[0]
     shutil.rmtree(work / "volumes", ignore_errors=True)
     shutil.rmtree(work / "naive", ignore_errors=True)
@@ -224,10 +256,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = ["raw dd\n(direct)", "store\ncold", "store\nwarm", "new arrays\ncold", "new arrays\nwarm",
+    labels = ["raw\n(best)", "store\ncold", "store\nwarm", "new arrays\ncold", "new arrays\nwarm",
               "pread\ncold", "pread\nwarm", "tensorstore\ncold", "tensorstore\nwarm", "naive\ncold",
               "naive\nwarm", "store\nwrite", "naive\nwrite"]
-    keys = ["raw_dd_direct_gbps", "store_cold_gbps", "store_warm_gbps", "store_fresh_arrays_cold_gbps",
+    keys = ["raw_gbps", "store_cold_gbps", "store_warm_gbps", "store_fresh_arrays_cold_gbps",
             "store_fresh_arrays_warm_gbps", "store_pread_cold_gbps", "store_pread_warm_gbps",
             "store_tensorstore_reads_cold_gbps", "store_tensorstore_reads_warm_gbps",
             "naive_cold_gbps", "naive_warm_gbps", "store_write_gbps", "naive_write_gbps"]
@@ -249,7 +281,9 @@ def plot(result: dict, path: Path) -> None:
 def write_section(result: dict) -> None:
     r = result
     rows = [
-        ["raw device, dd iflag=direct (1 GiB, 4 MiB requests)", f"{r['raw_dd_direct_gbps']:.2f}", "", ""],
+        ["raw device, dd iflag=direct bs=4M (1 GiB)", f"{r['raw_dd_direct_4m_gbps']:.2f}", "", ""],
+        ["raw device, dd iflag=direct bs=64M (1 GiB)", f"{r['raw_dd_direct_64m_gbps']:.2f}", "", ""],
+        ["raw device, 8 parallel O_DIRECT readers x 4 MiB", f"{r['raw_parallel_direct_gbps']:.2f}", "", ""],
         ["store: layer-major segments, mmap copy into a reused staging buffer", f"{r['store_cold_gbps']:.2f}",
          f"{r['store_warm_gbps']:.2f}", f"{r['store_write_gbps']:.2f}"],
         ["store: same, a new array per layer", f"{r['store_fresh_arrays_cold_gbps']:.2f}",
@@ -273,7 +307,7 @@ def write_section(result: dict) -> None:
         "",
         report.markdown_table(["", "cold read GB/s", "warm read GB/s", "write GB/s"], rows),
         "",
-        f"- store cold read / raw device: **{r['store_cold_vs_raw'] * 100:.0f}%** (goal >= 80%); "
+        f"- store cold read / raw device (the best raw row): **{r['store_cold_vs_raw'] * 100:.0f}%** (goal >= 80%); "
         f"warm: **{r['store_warm_gbps']:.2f} GB/s** (goal >= 4)",
         f"- prefix-index lookup, 2,000-block prompt, local Valkey: **{r['lookup_2000_blocks_p50_ms']:.2f} ms** p50 "
         f"(goal < 5); block hashes of 128K tokens: **{r['hash_128k_tokens_ms']:.1f} ms** (goal < 10)",

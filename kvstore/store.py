@@ -110,7 +110,9 @@ class BlockStore:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.capacity.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for volume in self.volumes.values():
+            volume.close()
 
     # ---- save -------------------------------------------------------------------------------
 

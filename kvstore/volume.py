@@ -138,6 +138,11 @@ class Volume:
         with self._maps_lock:
             self._maps.pop(segment, None)
 
+    def close(self) -> None:
+        """Drop every cached mapping (mapped pages cannot leave the page cache while mapped)."""
+        with self._maps_lock:
+            self._maps.clear()
+
     async def segments(self) -> list[str]:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))
         names = [k.decode()[len(SEGMENT_DIR):] for k in keys]
