@@ -101,3 +101,13 @@ def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
     if cfg.param_dtype != saved_cfg.param_dtype:
         digest = weights_digest(model)
     return LoadedModel(model, cfg, cfg.fingerprint(digest), digest)
+
+
+def read_identity(path: str | os.PathLike, cache_dtype: str | None = None) -> tuple[ModelConfig, str]:
+    """(config, fingerprint) of a saved model without loading its weights."""
+    path = Path(path)
+    cfg = ModelConfig.from_json(json.loads((path / "config.json").read_text()))
+    if cache_dtype:
+        cfg = cfg.replace(cache_dtype=cache_dtype)
+    digest = json.loads((path / "meta.json").read_text())["weights_digest"]
+    return cfg, cfg.fingerprint(digest)

@@ -39,14 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", required=True, help="directory to create")
     conv.add_argument("--name", default=None, help="model name (default: the HF directory's name)")
     conv.set_defaults(run=_model_convert)
+    commands.add_parser("up", help="start the whole stack on this machine (see `deepinfer up --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["up"]:  # the stack has its own flags (services.launcher.StackConfig)
+        from services.launcher import up
+
+        return up(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, TimeoutError) as error:
         print(f"deepinfer: error: {error}", file=sys.stderr)
         return 2
 

@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"engine: configuration error: {error}", file=sys.stderr)
         return 2
-    web.run_app(build_app(cfg), host=cfg.host, port=cfg.port, print=None, shutdown_timeout=30.0)
+    web.run_app(build_app(cfg), host=cfg.host, port=cfg.port, print=None, shutdown_timeout=30.0,
+                handler_cancellation=True, access_log=None)
     return 0
 
 

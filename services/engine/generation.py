@@ -157,8 +157,9 @@ class Generator:
         begin = time.perf_counter()
         reserve = job.params.max_tokens
         rate = self.prefill_tokens_per_s
-        deadline = (begin + max(0.5, self.cfg.prefetch_deadline_factor * hit_tokens / rate)
-                    if rate and hit_tokens else None)
+        # Waiting on disk longer than recomputing the prefix would take makes the hit a loss: give up
+        # then. Only time spent waiting counts (not compilation or compute between the loads).
+        stall_budget = max(0.5, self.cfg.prefetch_deadline_factor * hit_tokens / rate) if rate else None
         arrived: dict[int, np.ndarray] = {}
         stall = 0.0
 
@@ -168,7 +169,7 @@ class Generator:
                 waited = time.perf_counter()
                 future = asyncio.run_coroutine_threadsafe(prefetch.layer(layer), loop)
                 try:
-                    arrived[layer] = future.result(None if deadline is None else max(0.0, deadline - waited))
+                    arrived[layer] = future.result(None if stall_budget is None else max(0.0, stall_budget - stall))
                 except FutureTimeout:
                     future.cancel()
                     raise _PrefixShort(0, "deadline") from None
