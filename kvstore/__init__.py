@@ -18,7 +18,7 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
     RetentionPolicy(classes={"chat": 7 d, "agent": 3 d}, min_ttl_s=60, max_ttl_s=30 d)
 
     store = await BlockStore.open(volumes, geometry, fingerprint, index, budget_bytes=None,
-                                  max_segment_blocks=64, read_ahead=2, threads=4, ...)
+                                  max_segment_blocks=64, read_ahead=2, threads=4, read_mode="mmap", ...)
         volumes: directory paths or tensorstore kvstore specs (dict or URL)
         await store.save(hashes, layers, start_block=0, tenant="", retention="chat", ttl_s=None)
             -> SaveResult(blocks, segments, bytes)      # durable AND published when it returns
@@ -32,6 +32,7 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
             p.cancel()
         await store.read_layer(hit, l) -> LayerRead(latents, valid_blocks)   # one layer, verified
         await store.capacity.sweep() -> SweepResult; await store.capacity.evict(tenant=None) -> int
+        store.capacity.start(interval_s)              # background sweeps (the kvstore service runs them)
         store.stats: StoreStats; await store.close()
 
 Cache faults (missing, torn, corrupt or foreign data) never raise from reads: they shorten

@@ -18,7 +18,11 @@ from .location import SEGMENT_ID, VOLUME_ID
 ID_KEY = "VOLUME_ID"
 SEGMENT_DIR = "segments/"
 READ_MODES = ("mmap", "pread", "tensorstore")
+# A mapping keeps a deleted (unlinked) segment's disk space allocated, so mappings are dropped
+# once idle, and the cache is bounded.
+MAP_IDLE_S = 60.0
 MAX_MAPPED_SEGMENTS = 4096
+MAX_MAPPED_BYTES = 64 << 30
 
 
 def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +69,9 @@ class Volume:
         self.id = volume_id
         self._pool = pool
         self.read_mode = read_mode if spec.get("driver") == "file" else "tensorstore"
-        self._maps: OrderedDict[str, memoryview] = OrderedDict()  # segment -> mapping of its whole file
+        # segment -> (mapping of its whole file, last use on the monotonic clock), least recent first
+        self._maps: OrderedDict[str, tuple[memoryview, float]] = OrderedDict()
+        self._mapped_bytes = 0
         self._maps_lock = threading.Lock()
 
     @classmethod
@@ -111,14 +117,17 @@ class Volume:
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, _pread_all, self._path(segment), offset, out)
 
-    def mapped(self, segment: str) -> memoryview | None:
+    def mapped(self, segment: str) -> memoryview:
         """The whole segment object, memory-mapped read-only (empty if gone). Blocking: call from
         a worker thread. Mappings are cached; dropping one never invalidates views in use."""
+        now = time.monotonic()
         with self._maps_lock:
-            view = self._maps.get(segment)
-            if view is not None:
+            self._drop_idle(now)
+            cached = self._maps.get(segment)
+            if cached is not None:
+                self._maps[segment] = (cached[0], now)
                 self._maps.move_to_end(segment)
-                return view
+                return cached[0]
         try:
             fd = os.open(self._path(segment), os.O_RDONLY)
         except FileNotFoundError:
@@ -129,19 +138,33 @@ class Volume:
         finally:
             os.close(fd)
         with self._maps_lock:
-            self._maps[segment] = view
-            while len(self._maps) > MAX_MAPPED_SEGMENTS:
-                self._maps.popitem(last=False)
+            if segment not in self._maps:
+                self._maps[segment] = (view, now)
+                self._mapped_bytes += len(view)
         return view
+
+    def _drop_idle(self, now: float) -> None:
+        while self._maps:
+            segment, (view, used) = next(iter(self._maps.items()))
+            if (used > now - MAP_IDLE_S and len(self._maps) <= MAX_MAPPED_SEGMENTS
+                    and self._mapped_bytes <= MAX_MAPPED_BYTES):
+                break
+            self._unmap_locked(segment)
+
+    def _unmap_locked(self, segment: str) -> None:
+        entry = self._maps.pop(segment, None)
+        if entry is not None:
+            self._mapped_bytes -= len(entry[0])
 
     def unmap(self, segment: str) -> None:
         with self._maps_lock:
-            self._maps.pop(segment, None)
+            self._unmap_locked(segment)
 
     def close(self) -> None:
         """Drop every cached mapping (mapped pages cannot leave the page cache while mapped)."""
         with self._maps_lock:
             self._maps.clear()
+            self._mapped_bytes = 0
 
     async def segments(self) -> list[str]:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))

@@ -221,8 +221,9 @@ async def test_corruption_is_a_shorter_read_and_a_metric(service, client):
         f.seek(hit.runs[0].data_offset + (1 * 3 + 2) * GEOMETRY.block_bytes + 5)
         f.write(b"\xff\xfe")
     p = client.prefetch(hit)
-    assert (await p.layer(0)).shape[0] == 48
+    assert (await p.layer(0)).shape[0] in (32, 48)  # 48 if delivered before layer 1 failed
     assert await p.valid_tokens() == 32
+    assert (await p.layer(3)).shape[0] == 32
     assert "dikv_verification_failures_total 1.0" in requests.get(url + "/metrics").text
     assert (await client.lookup(hashes)).blocks == 2
 

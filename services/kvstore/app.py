@@ -62,6 +62,7 @@ async def _store_lifecycle(app: web.Application):
     index = PrefixIndex(redis, config.index_prefix)
     store = await BlockStore.open(
         config.volumes, config.geometry, config.fingerprint, index, threads=config.io_threads,
+        read_mode=config.read_mode,
         budget_bytes=config.budget_bytes, max_segment_blocks=config.max_segment_blocks,
         read_ahead=config.read_ahead, reader_grace_s=config.reader_grace_s)
     if config.sweep_interval_s > 0:
@@ -114,7 +115,7 @@ async def read_layer(request: web.Request) -> web.Response:
         result = await store.read_layer(read.hit, read.layer, context)
     finally:
         store.end_read(read.hit)
-    return web.Response(body=result.latents.view("uint8").tobytes(), content_type="application/octet-stream",
+    return web.Response(body=result.latents.reshape(-1).view("uint8").data, content_type="application/octet-stream",
                         headers={wire.VALID_BLOCKS_HEADER: str(result.valid_blocks)})
 
 

@@ -28,6 +28,7 @@ class KvstoreConfig:
     max_segment_blocks: int = field(default=64, metadata={"help": "blocks per segment at most"})
     read_ahead: int = field(default=2, metadata={"help": "layers in flight per prefetch"})
     io_threads: int = field(default=4, metadata={"help": "threads for volume reads and checksums"})
+    read_mode: str = field(default="mmap", metadata={"help": "file volume reads: mmap, pread or tensorstore"})
     sweep_interval_s: float = field(default=60.0, metadata={"help": "seconds between expiry sweeps (0: off)"})
     reader_grace_s: float = field(default=30.0, metadata={"help": "seconds a retired segment stays readable"})
 
