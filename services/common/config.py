@@ -47,16 +47,24 @@ def _parse(kind: Any, raw: str, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported config type {kind}")
 
 
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return f"default {f.default!r}"
+    if f.default_factory is not dataclasses.MISSING:
+        return f"default {f.default_factory()!r}"
+    return "required"
+
+
 def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
-                env: Mapping[str, str] | None = None, description: str | None = None) -> T:
+                env: Mapping[str, str] | None = None, prog: str | None = None) -> T:
     """An instance of dataclass `cls` from `argv` (default sys.argv[1:]) and `env` (default os.environ)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description or cls.__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     fields = dataclasses.fields(cls)
     for f in fields:
         kind = hints[f.name]
-        help_text = f"{f.metadata.get('help', '')} (env {env_name(prefix, f.name)})"
+        help_text = f"{f.metadata.get('help', '')} ({_default_text(f)}; env {env_name(prefix, f.name)})"
         if kind is bool:
             parser.add_argument(_flag(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)

@@ -15,7 +15,7 @@ from .config import KvstoreConfig
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_config(KvstoreConfig, "kvstore", argv)
+        config = load_config(KvstoreConfig, "kvstore", argv, prog="python -m services.kvstore")
     except ConfigError as e:
         print(f"kvstore: {e}", file=sys.stderr)
         return 2
