@@ -94,11 +94,15 @@ class VolumeLedger:
     async def least_recent(self, volume: str, count: int) -> list[SegmentRecord]:
         """Up to `count` live segments of `volume`, least recently hit first."""
         segs, _, lru, _ = self._keys(volume)
-        names = await self.redis.zrange(lru, 0, count - 1)
-        if not names:
-            return []
-        values = await self.redis.hmget(segs, names)
-        return [_record(n, v) for n, v in zip(names, values) if v is not None]
+        while True:
+            names = await self.redis.zrange(lru, 0, count - 1)
+            if not names:
+                return []
+            values = await self.redis.hmget(segs, names)
+            stale = [n for n, v in zip(names, values) if v is None]
+            if not stale:
+                return [_record(n, v) for n, v in zip(names, values)]
+            await self.redis.zrem(lru, *stale)  # recency of a segment no longer live: forget it
 
     async def retire(self, volume: str, record: SegmentRecord, grace_s: float) -> bool:
         """Stop counting `record`; its bytes may be deleted `grace_s` from now. False if already retired."""

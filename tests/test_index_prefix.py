@@ -137,3 +137,12 @@ async def test_ledger_accounting(client):
     await ledger.buried(VOLUME, b.segment)
     assert await ledger.due_for_deletion(VOLUME) == []
     assert {r.segment for r in await ledger.records(VOLUME)} == {a.segment}
+
+
+async def test_ledger_skips_stale_recency(client):
+    ledger = VolumeLedger(client)
+    live = SegmentRecord(secrets.token_hex(16), b"\x03" * 16, 10, "t")
+    await ledger.add(VOLUME, live)
+    await client.zadd(ledger._keys(VOLUME)[2], {"ff" * 16: 0})  # recency left over from elsewhere
+    assert [r.segment for r in await ledger.least_recent(VOLUME, 1)] == [live.segment]
+    assert await client.zcard(ledger._keys(VOLUME)[2]) == 1

@@ -361,3 +361,10 @@ async def test_every_read_mode_verifies(tmp_path, index, read_mode):
         assert store.stats.verification_failures >= 1
     finally:
         await store.close()
+
+
+async def test_prefetch_of_a_miss_is_empty(store, index):
+    hit = await index.lookup(block_hashes(prompt(2, 110), FP, "t", 16))
+    assert hit.blocks == 0
+    p = store.prefetch(hit)
+    assert (await p.layer(0)).shape == (0, 576) and await p.valid_tokens() == 0
