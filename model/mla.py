@@ -84,21 +84,25 @@ class MLAttention(nnx.Module):
         c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
         w_uk, w_uv = self.w_uk[...], self.w_uv[...]
 
-        rope_scores_TNS = jnp.einsum("tnr,sr->tns", q_pe_TNR, kpe_SR)
+        # Head-major (N, T, S) scores: every contraction below is a plain batched matmul, no transposes
+        # of the big score tensor.
+        q_pe_NTR = q_pe_TNR.transpose(1, 0, 2)
+        q_nope_NTH = q_nope_TNH.transpose(1, 0, 2)
+        scores_NTS = jnp.einsum("ntr,sr->nts", q_pe_NTR, kpe_SR)
         if absorbed:
-            q_lat_TNC = jnp.einsum("tnh,cnh->tnc", q_nope_TNH, w_uk)
-            scores_TNS = jnp.einsum("tnc,sc->tns", q_lat_TNC, c_SC) + rope_scores_TNS
+            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, w_uk)
+            scores_NTS = scores_NTS + jnp.einsum("ntc,sc->nts", q_lat_NTC, c_SC)
         else:
-            k_nope_SNH = jnp.einsum("sc,cnh->snh", c_SC, w_uk)
-            scores_TNS = jnp.einsum("tnh,snh->tns", q_nope_TNH, k_nope_SNH) + rope_scores_TNS
+            k_nope_NSH = jnp.einsum("sc,cnh->nsh", c_SC, w_uk)
+            scores_NTS = scores_NTS + jnp.einsum("nth,nsh->nts", q_nope_NTH, k_nope_NSH)
         key_pos_S = jnp.arange(view)
-        causal_T1S = (key_pos_S[None, :] <= positions_T[:, None])[:, None, :]
-        scores_TNS = jnp.where(causal_T1S, scores_TNS.astype(jnp.float32) * self.scale, -jnp.inf)
-        probs_TNS = jax.nn.softmax(scores_TNS, axis=-1).astype(x_TD.dtype)
+        causal_TS = key_pos_S[None, :] <= positions_T[:, None]
+        scores_NTS = jnp.where(causal_TS[None], scores_NTS.astype(jnp.float32) * self.scale, -jnp.inf)
+        probs_NTS = jax.nn.softmax(scores_NTS, axis=-1).astype(x_TD.dtype)
         if absorbed:
-            out_lat_TNC = jnp.einsum("tns,sc->tnc", probs_TNS, c_SC)
-            out_TNV = jnp.einsum("tnc,cnv->tnv", out_lat_TNC, w_uv)
+            out_lat_NTC = jnp.einsum("nts,sc->ntc", probs_NTS, c_SC)
+            out_TNV = jnp.einsum("ntc,cnv->tnv", out_lat_NTC, w_uv)
         else:
-            v_SNV = jnp.einsum("sc,cnv->snv", c_SC, w_uv)
-            out_TNV = jnp.einsum("tns,snv->tnv", probs_TNS, v_SNV)
+            v_NSV = jnp.einsum("sc,cnv->nsv", c_SC, w_uv)
+            out_TNV = jnp.einsum("nts,nsv->tnv", probs_NTS, v_NSV)
         return self.o_proj(out_TNV.reshape(T, N * self.v_dim)), cache_SA
