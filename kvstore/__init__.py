@@ -29,7 +29,7 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
             await p.layer(l) -> np.ndarray (tokens, latent_dim), verified, cache dtype; in layer
                                 order, a later layer is never longer than an earlier one
             await p.valid_tokens() -> int            # usable prefix for every layer
-            p.cancel()
+            p.cancel(); await p.aclose()             # aclose: also waits out reads into `out`
         await store.read_layer(hit, l) -> LayerRead(latents, valid_blocks)   # one layer, verified
         await store.capacity.sweep() -> SweepResult; await store.capacity.evict(tenant=None) -> int
         store.capacity.start(interval_s)              # background sweeps (the kvstore service runs them)

@@ -80,15 +80,18 @@ return n
 """
 
 
-def open_redis(url: str, cluster: bool = False) -> redis.Redis | redis.RedisCluster:
-    """A redis.asyncio client; `cluster=True` for Redis Cluster (any node's URL)."""
+def open_redis(url: str, cluster: bool = False, timeout_s: float = 5.0) -> redis.Redis | redis.RedisCluster:
+    """A redis.asyncio client; `cluster=True` for Redis Cluster (any node's URL). Commands and
+    connects give up after `timeout_s` (a hanging index must not hang a request)."""
+    options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if cluster:
-        return redis.RedisCluster.from_url(url)
-    return redis.Redis.from_url(url)
+        return redis.RedisCluster.from_url(url, **options)
+    return redis.Redis.from_url(url, **options)
 
 
 class PrefixIndex:
-    """Block hash -> BlockLocation, with retention TTLs refreshed on every hit.
+    """Block hash -> BlockLocation; entries live for their segment's retention TTL after the last
+    hit (a hit re-arms it once half has run down).
 
     Invariants: publish() is called only after the segment's bytes are durable; an entry is
     removed only if it still points at the segment being removed (a newer save of the same

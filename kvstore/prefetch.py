@@ -64,21 +64,19 @@ class Prefetch:
         self._slots = asyncio.Semaphore(max(1, read_ahead))
         loop = asyncio.get_running_loop()
         self._layers: list[asyncio.Future] = [loop.create_future() for _ in range(self._geometry.num_layers)]
+        self._reads: list[asyncio.Task] = []
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        tasks: list[asyncio.Task] = []
         try:
             context, valid = await self._source.begin_read(self.hit)
             self._valid_blocks = min(self._valid_blocks, valid)
             for layer in range(len(self._layers)):
                 await self._slots.acquire()
-                tasks.append(asyncio.create_task(self._read(layer, context)))
-            await asyncio.gather(*tasks)
+                self._reads.append(asyncio.create_task(self._read(layer, context)))
+            await asyncio.gather(*self._reads)
         except asyncio.CancelledError:
-            for task in tasks:
-                task.cancel()
-            raise
+            raise  # reads in flight finish on their own (they may be writing into `out`)
         except Exception:  # a cache fault must not reach the caller: degrade to a miss
             log.exception("prefetch of %d blocks failed; serving a miss", self.hit.blocks)
             self._valid_blocks = 0
@@ -115,7 +113,13 @@ class Prefetch:
         return self._valid_blocks * self._geometry.block_tokens
 
     def cancel(self) -> None:
-        """Stop reading; layers not yet delivered come back empty and valid_tokens() is 0."""
+        """Stop reading; layers not yet delivered come back empty and valid_tokens() is 0.
+        Layer reads already in flight still finish: await aclose() before reusing `out`."""
         self._task.cancel()
         self._valid_blocks = 0
         self._fail_rest()
+
+    async def aclose(self) -> None:
+        """cancel(), then wait until nothing writes into `out` any more."""
+        self.cancel()
+        await asyncio.gather(self._task, *self._reads, return_exceptions=True)

@@ -247,6 +247,19 @@ async def test_not_ready_without_redis(tmp_path):
     try:
         r = requests.get(url + "/readyz")
         assert r.status_code == 503 and r.json()["checks"]["redis"] is False
+        assert requests.get(url + "/healthz").status_code == 200
+        client = KvstoreClient(url, GEOMETRY, FP)
+        try:
+            hashes = block_hashes(prompt(2, 8), FP, "t", 16)
+            assert (await client.lookup(hashes)).blocks == 0  # a miss, not an error
+            with pytest.raises(KvstoreError) as error:
+                await client.save(hashes, latents(2, 8))
+            assert error.value.status == 503
+        finally:
+            await client.close()
+        r = requests.post(url + "/v1/lookup", data=msgpack.packb({"hashes": [b"x" * 16]}))
+        assert r.status_code == 503 and "Redis" in r.json()["error"]
+        assert not segment_files(tmp_path)
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -368,3 +368,16 @@ async def test_prefetch_of_a_miss_is_empty(store, index):
     assert hit.blocks == 0
     p = store.prefetch(hit)
     assert (await p.layer(0)).shape == (0, 576) and await p.valid_tokens() == 0
+
+
+async def test_aclose_waits_out_reads_into_the_buffer(store, index):
+    hashes = block_hashes(prompt(8, 111), FP, "t", 16)
+    await store.save(hashes, latents(8, 111))
+    staging = np.zeros((GEOMETRY.num_layers, 128, 576), GEOMETRY.np_dtype)
+    p = store.prefetch(await index.lookup(hashes), out=staging)
+    await asyncio.sleep(0)  # let reads start
+    await p.aclose()
+    snapshot = staging.copy()
+    await asyncio.sleep(0.05)
+    assert np.array_equal(snapshot.view(np.uint16), staging.view(np.uint16))  # nothing writes any more
+    assert await p.valid_tokens() == 0

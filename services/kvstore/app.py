@@ -6,6 +6,7 @@ import logging
 import msgpack
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from redis.exceptions import RedisError
 
 from kvstore import BlockStore, PrefixIndex, SegmentWriteError, open_redis
 from kvstore.location import SEGMENT_ID
@@ -24,9 +25,20 @@ STORE = web.AppKey("store", BlockStore)
 CONFIG = web.AppKey("config", KvstoreConfig)
 
 
+@web.middleware
+async def index_down_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Redis unreachable is the service's dependency failing, not the client's fault: 503."""
+    try:
+        return await handler(request)
+    except RedisError as e:
+        log.warning("%s %s: prefix index unreachable: %s", request.method, request.path, e)
+        raise RequestError(503, "the prefix index (Redis) is unreachable") from None
+
+
 def create_app(config: KvstoreConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_mib << 20,
-                          middlewares=[error_middleware, admin_auth_middleware(config.admin_token)])
+                          middlewares=[error_middleware, admin_auth_middleware(config.admin_token),
+                                       index_down_middleware])
     app[CONFIG] = config
     app.cleanup_ctx.append(_store_lifecycle)
     app.router.add_post("/v1/segments", save_segments)
