@@ -133,6 +133,22 @@ async def test_save_lookup_prefetch_through_the_service(client):
     assert await p.valid_tokens() == 96
 
 
+async def test_large_saves_go_as_several_requests(service):
+    small = KvstoreClient(service[0], GEOMETRY, FP, max_request_bytes=3 * GEOMETRY.num_layers * GEOMETRY.block_bytes)
+    try:
+        hashes = block_hashes(prompt(8, 9), FP, "t", 16)
+        data = latents(8, 9)
+        await small.save(hashes[:1], [x[:16] for x in data])
+        result = await small.save(hashes, [x[16:] for x in data], start_block=1)
+        assert result.blocks == 7 and len(result.segments) == 3  # requests of 3 + 3 + 1 blocks
+        hit = await small.lookup(hashes)
+        p = small.prefetch(hit)
+        assert await p.valid_tokens() == 128
+        assert np.array_equal((await p.layer(2)).view(np.uint16), data[2].view(np.uint16))
+    finally:
+        await small.close()
+
+
 async def test_bad_requests_are_clear_4xx_and_write_nothing(service):
     url, tmp = service
     before = segment_files(tmp)

@@ -37,11 +37,15 @@ class KvstoreClient:
     serve fewer (possibly zero) valid tokens."""
 
     def __init__(self, base_url: str, geometry: CacheGeometry, fingerprint: str, *, read_ahead: int = 2,
-                 timeout_s: float = 30.0, session: aiohttp.ClientSession | None = None) -> None:
+                 timeout_s: float = 30.0, max_request_bytes: int = 256 << 20,
+                 session: aiohttp.ClientSession | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.geometry = geometry
         self.fingerprint = fingerprint
         self.read_ahead = read_ahead
+        # a save larger than this goes as several requests, in block order (keep it under the
+        # service's --max-body-mib)
+        self.max_request_bytes = max_request_bytes
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._own_session = session is None
@@ -60,15 +64,29 @@ class KvstoreClient:
 
     async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,
                    tenant: str = "", retention: str = "chat", ttl_s: int | None = None) -> SaveResult:
-        """Store blocks start_block.. of the chain `hashes`; layers[l] is (new_tokens, latent_dim)."""
-        message = self._model() | {
-            "hashes": list(hashes), "start_block": start_block, "tenant": tenant, "retention": retention,
-            "ttl_s": ttl_s, "layers": [np.ascontiguousarray(x).view(np.uint8).tobytes() for x in layers]}
-        async with await self._post("/v1/segments", message) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200:
-                raise KvstoreError(response.status, body.get("error", str(body)))
-        return SaveResult(body["blocks"], tuple(body["segments"]), body["bytes"])
+        """Store blocks start_block.. of the chain `hashes`; layers[l] is (new_tokens, latent_dim).
+
+        Raises KvstoreError if the service refuses (4xx) or fails (5xx); a save split over several
+        requests may have published its leading part when a later request fails.
+        """
+        g = self.geometry
+        per_block = g.num_layers * g.block_bytes
+        step = max(1, self.max_request_bytes // per_block)  # blocks per request
+        blocks, segments, written = 0, [], 0
+        for first in range(start_block, len(hashes), step):
+            last = min(len(hashes), first + step)
+            rows = slice((first - start_block) * g.block_tokens, (last - start_block) * g.block_tokens)
+            message = self._model() | {
+                "hashes": list(hashes[:last]), "start_block": first, "tenant": tenant, "retention": retention,
+                "ttl_s": ttl_s, "layers": [np.ascontiguousarray(x[rows]).view(np.uint8).tobytes() for x in layers]}
+            async with await self._post("/v1/segments", message) as response:
+                body = await response.json(content_type=None)
+                if response.status != 200:
+                    raise KvstoreError(response.status, body.get("error", str(body)))
+            blocks += body["blocks"]
+            segments += body["segments"]
+            written += body["bytes"]
+        return SaveResult(blocks, tuple(segments), written)
 
     async def lookup(self, hashes: Sequence[bytes]) -> Hit:
         """The index's longest leading run (a miss if the service is unreachable)."""
