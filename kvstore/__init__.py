@@ -48,13 +48,14 @@ from .geometry import CacheGeometry
 from .hashing import block_hashes
 from .index import PrefixIndex, open_redis
 from .location import BlockLocation, Hit, SegmentRun, miss
-from .prefetch import Prefetch
+from .prefetch import LayerRead, LayerSource, Prefetch
+from .reader import SegmentReader
 from .retention import RetentionPolicy
 from .stats import StoreStats
-from .store import BlockStore, LayerRead, SaveResult, SegmentWriteError
+from .store import BlockStore, SaveResult, SegmentWriteError
 
 __all__ = [
-    "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "Prefetch", "PrefixIndex",
-    "RetentionPolicy", "SaveResult", "SegmentRun", "SegmentWriteError", "StoreStats", "SweepResult",
+    "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "LayerSource", "Prefetch", "PrefixIndex",
+    "RetentionPolicy", "SaveResult", "SegmentReader", "SegmentRun", "SegmentWriteError", "StoreStats", "SweepResult",
     "block_hashes", "miss", "open_redis",
 ]

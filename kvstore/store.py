@@ -1,11 +1,9 @@
-"""BlockStore: saves new blocks as segments over the volumes and reads hits back, verified."""
+"""BlockStore: saves new blocks as segments over the volumes; reads hits back through SegmentReader."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
-import time
-from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
@@ -14,31 +12,23 @@ from redis.exceptions import RedisError
 
 from .capacity import Capacity
 from .geometry import CacheGeometry
+from .hashing import HASH_BYTES
 from .index import PrefixIndex
 from .ledger import SegmentRecord, VolumeLedger
-from .location import BlockLocation, Hit, SegmentRun
-from .prefetch import LayerRead, Prefetch
+from .location import BlockLocation, Hit
+from .prefetch import Prefetch
+from .reader import MiB, SegmentReader
 from .retention import RetentionPolicy
-from .hashing import HASH_BYTES
-from .segment import (PREAMBLE_BYTES, SegmentFormatError, SegmentHeader, SegmentMissing, block_checksums,
-                      copy_verified, data_offset_for, decode_header, encode_segment, header_length)
-from .stats import StoreStats
+from .segment import data_offset_for, encode_segment
 from .volume import Volume
 
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
 
 
 class SaveResult(NamedTuple):
     blocks: int                  # blocks written and published
     segments: tuple[str, ...]    # segment ids, in block order
     bytes: int                   # segment object bytes written
-
-
-class HeaderCheck(NamedTuple):
-    headers: dict[str, SegmentHeader]  # segment id -> header, for segments that passed
-    valid_blocks: int                  # leading blocks of the hit whose headers match
 
 
 class _Written(NamedTuple):
@@ -56,7 +46,7 @@ class SegmentWriteError(RuntimeError):
     """A save could not make its data durable; nothing of it was published."""
 
 
-class BlockStore:
+class BlockStore(SegmentReader):
     """Latent blocks of prompt prefixes on tensorstore volumes, found through a PrefixIndex.
 
     Invariants: save() returns only after the data is durable AND published, and publishes
@@ -64,12 +54,12 @@ class BlockStore:
     fingerprint, geometry, block hash) and its per-layer checksum, and a block that did not is
     dropped from the index and counted, never raised; one save becomes segments of at most
     `max_segment_blocks` blocks on the least used volumes, each stored layer-major, so reading
-    one layer of a prefix is one range read per segment.
+    one layer of a prefix is one range read per segment. Reads: SegmentReader.
     """
 
     def __init__(self, volumes: Sequence[Volume], geometry: CacheGeometry, fingerprint: str,
                  index: PrefixIndex, ledger: VolumeLedger, pool: ThreadPoolExecutor, *,
-                 budget_bytes: int | None = None, retention: RetentionPolicy = RetentionPolicy(),
+                 budget_bytes: int | None = None, retention: RetentionPolicy | None = None,
                  max_segment_blocks: int = 64, read_ahead: int = 2, read_chunk_bytes: int = 4 * MiB,
                  reader_grace_s: float = 30.0) -> None:
         if not volumes:
@@ -78,20 +68,12 @@ class BlockStore:
             raise ValueError("the same volume is listed twice")
         if not 1 <= max_segment_blocks < 1_000_000:
             raise ValueError(f"max_segment_blocks must be in [1, 999999], got {max_segment_blocks}")
-        self.volumes = {v.id: v for v in volumes}
-        self.geometry = geometry
-        self.fingerprint = fingerprint
-        self.index = index
+        super().__init__({v.id: v for v in volumes}, geometry, fingerprint, index, pool, read_chunk_bytes)
         self.ledger = ledger
-        self.retention = retention
+        self.retention = retention or RetentionPolicy()
         self.max_segment_blocks = max_segment_blocks
         self.read_ahead = read_ahead
-        self.read_chunk_bytes = read_chunk_bytes
-        self.stats = StoreStats()
-        self.readers: Counter[str] = Counter()  # segment id -> prefetches reading it in this process
         self.capacity = Capacity(self, budget_bytes, reader_grace_s)
-        self._pool = pool
-        self._headers: OrderedDict[str, SegmentHeader] = OrderedDict()  # segments are immutable
         self._next_volume = 0
         self._background: set[asyncio.Task] = set()
 
@@ -226,148 +208,12 @@ class BlockStore:
         self.touch(hit)
         return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead, out)
 
-    async def header(self, volume_id: str, segment: str) -> SegmentHeader:
-        """The segment's header (cached: segments never change). Raises SegmentFormatError."""
-        cached = self._headers.get(segment)
-        if cached is not None:
-            self._headers.move_to_end(segment)
-            return cached
-        volume = self.volumes.get(volume_id)
-        if volume is None:
-            raise SegmentFormatError(f"unknown volume {volume_id}")
-        head = await volume.read(segment, 0, 4096)
-        if not head:
-            raise SegmentMissing(f"segment {segment} is not on volume {volume_id}")
-        length = header_length(head)
-        if PREAMBLE_BYTES + length > len(head):
-            head = await volume.read(segment, 0, PREAMBLE_BYTES + length)
-        header = decode_header(head)
-        self._headers[segment] = header
-        if len(self._headers) > 4096:
-            self._headers.popitem(last=False)
-        return header
-
-    async def verified_headers(self, hit: Hit) -> HeaderCheck:
-        """Check each run's header against the hit; valid_blocks stops at the first mismatch."""
-        found = await asyncio.gather(*(self.header(r.volume, r.segment) for r in hit.runs),
-                                     return_exceptions=True)
-        headers, block = {}, 0
-        for run, header in zip(hit.runs, found):
-            bad, why = self._first_bad_block(hit, run, block, header)
-            if bad is not None:
-                await self._reject(hit, block + bad, run.segment, why)
-                return HeaderCheck(headers, block + bad)
-            headers[run.segment] = header
-            block += run.count
-        return HeaderCheck(headers, block)
-
-    def _first_bad_block(self, hit: Hit, run: SegmentRun, block: int,
-                         header: SegmentHeader | BaseException) -> tuple[int | None, str]:
-        """(index in `run` of the first block its header disowns, or None; why)."""
-        if isinstance(header, BaseException):
-            return 0, f"unreadable header: {header!r}"
-        if header.fingerprint != self.fingerprint:
-            return 0, f"foreign model fingerprint {header.fingerprint!r}"
-        if header.geometry != self.geometry:
-            return 0, f"foreign geometry {header.geometry}"
-        if header.n_blocks != run.n_blocks or run.first + run.count > header.n_blocks:
-            return 0, f"segment has {header.n_blocks} blocks, the index says {run.n_blocks}"
-        for i in range(run.count):
-            if header.hashes[run.first + i] != hit.hashes[block + i]:
-                return i, "block hash mismatch"
-        return None, ""
-
-    async def read_layer(self, hit: Hit, layer: int, check: HeaderCheck | None = None,
-                         out: np.ndarray | None = None) -> LayerRead:
-        """Layer `layer` of the hit's leading valid blocks, every block checksum-verified.
-
-        Reads into `out` (>= tokens, latent_dim) when given, else into a new array.
-        """
-        started = time.perf_counter()
-        g = self.geometry
-        check = check or await self.verified_headers(hit)
-        blocks = min(hit.blocks, check.valid_blocks)
-        if out is None:
-            out = np.empty((blocks * g.block_tokens, g.latent_dim), g.np_dtype)  # (tokens, latent_dim)
-        reads, block = [], 0
-        for run in hit.truncated(blocks).runs:
-            rows = out[block * g.block_tokens:(block + run.count) * g.block_tokens]
-            reads.append(self._read_run(run, layer, rows, check.headers[run.segment]))
-            block += run.count
-        valid = blocks
-        block = 0
-        for run, bad in zip(hit.truncated(blocks).runs, await asyncio.gather(*reads)):
-            if bad is not None:
-                valid = block + bad
-                await self._reject(hit, valid, run.segment, f"layer {layer} checksum")
-                break
-            block += run.count
-        self.stats.layer_reads += 1
-        self.stats.bytes_read += valid * g.block_bytes
-        self.stats.read_latency.observe(time.perf_counter() - started)
-        return LayerRead(out[:valid * g.block_tokens], valid)
-
-    async def _read_run(self, run: SegmentRun, layer: int, rows: np.ndarray, header: SegmentHeader) -> int | None:
-        """Read one run's layer into `rows` (run.count * block_tokens, latent_dim), verifying each
-        block; the index of its first missing or bad block, or None."""
-        g = self.geometry
-        volume = self.volumes[run.volume]
-        start = run.data_offset + (layer * run.n_blocks + run.first) * g.block_bytes
-        expected = header.checksums[layer, run.first:run.first + run.count]
-        loop = asyncio.get_running_loop()
-        if volume.read_mode == "mmap":
-            def copy() -> int | None:
-                return copy_verified(volume.mapped(run.segment), start, rows, expected, g.block_tokens)
-            return await loop.run_in_executor(self._pool, copy)
-        buffer = memoryview(rows.reshape(-1).view(np.uint8))
-        step = max(g.block_bytes, self.read_chunk_bytes // g.block_bytes * g.block_bytes)
-        offsets = range(0, len(buffer), step)
-        got = await asyncio.gather(*(volume.read_into(run.segment, start + o, buffer[o:o + step])
-                                     for o in offsets))
-        short = [o + n for o, n in zip(offsets, got) if n < min(step, len(buffer) - o)]
-        complete = min(short) // g.block_bytes if short else run.count  # blocks fully read
-        actual = await loop.run_in_executor(self._pool, block_checksums, rows, g.block_tokens)
-        mismatch = np.flatnonzero(actual[:complete] != expected[:complete])
-        if mismatch.size:
-            return int(mismatch[0])
-        return None if complete == run.count else complete
-
-    async def _reject(self, hit: Hit, block: int, segment: str, why: str) -> None:
-        """Block `block` of the hit failed verification: count it, drop its entry, go on as a miss."""
-        self.stats.verification_failures += 1
-        log.warning("block %d of root %s failed verification (%s); dropping it from the index",
-                    block, hit.root.hex(), why)
-        try:
-            await self.index.drop(hit.root, hit.hashes[block], segment)
-        except Exception:  # the index may be down: the entry then just stays a miss next time too
-            log.exception("could not drop a bad index entry")
-        self.forget(segment)
-
     # ---- bookkeeping ------------------------------------------------------------------------
-
-    async def begin_read(self, hit: Hit) -> tuple[HeaderCheck, int]:
-        """LayerSource: hold the hit's segments against deletion, verify their headers."""
-        self.readers.update({r.segment for r in hit.runs})
-        check = await self.verified_headers(hit)
-        return check, check.valid_blocks
-
-    def end_read(self, hit: Hit) -> None:
-        segments = {r.segment for r in hit.runs}
-        self.readers.subtract(segments)
-        for s in segments:
-            if self.readers[s] <= 0:
-                del self.readers[s]
 
     def touch(self, hit: Hit) -> None:
         """Record, in the background, that the hit's segments were just used (eviction recency)."""
         if hit.runs:
             self._spawn(self.ledger.touch([(r.volume, r.segment) for r in hit.runs]))
-
-    def forget(self, segment: str) -> None:
-        """Drop what this process caches about a segment (its header, its mapping)."""
-        self._headers.pop(segment, None)
-        for volume in self.volumes.values():
-            volume.unmap(segment)
 
     def _spawn(self, coro) -> None:
         async def logged():

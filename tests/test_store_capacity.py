@@ -1,0 +1,88 @@
+"""BlockStore capacity: byte budgets, eviction, expiry sweeps, on real volumes and real Valkey."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+
+from kvstore import PrefixIndex, block_hashes, open_redis
+from tests.test_store_blocks import FP, GEOMETRY, index, latents, open_store, prompt, read_all, store  # noqa: F401
+
+
+async def test_eviction_keeps_budget_and_recently_hit(tmp_path, index):
+    seg_bytes = 4096 + 4 * GEOMETRY.num_layers * GEOMETRY.block_bytes  # 4-block segment with header
+    store = await open_store(tmp_path, index, n_volumes=1, budget_bytes=int(2.5 * seg_bytes))
+    try:
+        chains = [block_hashes(prompt(4, 20 + i), FP, "t", 16) for i in range(4)]
+        await store.save(chains[0], latents(4, 20))
+        await store.save(chains[1], latents(4, 21))
+        await read_all(store, await index.lookup(chains[0]))  # chain 0 is now the most recent hit
+        await asyncio.sleep(0.05)
+        await store.save(chains[2], latents(4, 22))  # evicts chain 1
+        assert [(await index.lookup(c)).blocks for c in chains[:3]] == [4, 0, 4]
+        used = (await store.ledger.used(list(store.volumes)))
+        assert max(used.values()) <= 2.5 * seg_bytes
+        assert store.stats.evictions == 1
+        result = await store.capacity.sweep()
+        assert result.deleted == 1
+        assert len(os.listdir(tmp_path / "ssd0" / "segments")) == 2
+    finally:
+        await store.close()
+
+
+
+async def test_sweep_reclaims_expired(store, index, tmp_path):
+    hashes = block_hashes(prompt(2, 30), FP, "t", 16)
+    store.retention.classes["short"] = 1
+    try:
+        await store.save(hashes, latents(2, 30), retention="short")
+    finally:
+        del store.retention.classes["short"]
+    await asyncio.sleep(1.5)
+    result = await store.capacity.sweep()
+    assert (result.expired, result.deleted) == (1, 1)
+    assert all(not os.listdir(p / "segments") for p in tmp_path.glob("ssd*") if (p / "segments").exists())
+
+
+
+async def test_evict_by_tenant(store, index):
+    a = block_hashes(prompt(2, 40), FP, "tenant-a", 16)
+    b = block_hashes(prompt(2, 40), FP, "tenant-b", 16)
+    await store.save(a, latents(2, 40), tenant="tenant-a")
+    await store.save(b, latents(2, 40), tenant="tenant-b")
+    assert await store.capacity.evict(tenant="tenant-a") == 1
+    assert (await index.lookup(a)).blocks == 0 and (await index.lookup(b)).blocks == 2
+
+
+
+async def test_store_on_a_redis_cluster(tmp_path, cluster_url):
+    client = open_redis(cluster_url, cluster=True)
+    seg_bytes = 4096 + 4 * GEOMETRY.num_layers * GEOMETRY.block_bytes
+    store = await open_store(tmp_path, PrefixIndex(client), budget_bytes=int(2.5 * seg_bytes))
+    try:
+        chains = [block_hashes(prompt(4, 80 + i), FP, "t", 16) for i in range(6)]
+        for i, chain in enumerate(chains):
+            await store.save(chain, latents(4, 80 + i))
+        used = await store.ledger.used(list(store.volumes))
+        assert all(u <= 2.5 * seg_bytes for u in used.values()) and store.stats.evictions >= 1
+        hit = await store.index.lookup(chains[-1])
+        layers, valid = await read_all(store, hit)
+        assert valid == 64 and np.array_equal(layers[0].view(np.uint16), latents(4, 85)[0].view(np.uint16))
+        assert (await store.capacity.sweep()).deleted == store.stats.evictions
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+
+async def test_sweep_removes_old_orphans_only(store, tmp_path):
+    segments = tmp_path / "ssd0" / "segments"
+    segments.mkdir(parents=True, exist_ok=True)
+    old, fresh = segments / ("ab" * 16), segments / ("cd" * 16)
+    old.write_bytes(b"a writer died before publishing")
+    fresh.write_bytes(b"a writer that is still publishing")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    result = await store.capacity.sweep()
+    assert result.orphans == 1 and not old.exists() and fresh.exists()
