@@ -222,8 +222,8 @@ async def test_delete_segment_and_metrics(service, client):
     assert (await client.lookup(hashes)).blocks == 0
     assert requests.delete(url + "/v1/segments/" + result.segments[0]).status_code == 404
     text = requests.get(url + "/metrics").text
-    for name in ("dikv_bytes_written_total", "dikv_bytes_read_total", "dikv_layer_read_seconds_bucket",
-                 "dikv_evictions_total", "dikv_verification_failures_total", "dikv_volume_used_bytes"):
+    for name in ("kvstore_bytes_written_total", "kvstore_bytes_read_total", "kvstore_layer_read_seconds_bucket",
+                 "kvstore_evictions_total", "kvstore_verification_failures_total", "kvstore_volume_used_bytes"):
         assert name in text
 
 
@@ -240,7 +240,7 @@ async def test_corruption_is_a_shorter_read_and_a_metric(service, client):
     assert (await p.layer(0)).shape[0] in (32, 48)  # 48 if delivered before layer 1 failed
     assert await p.valid_tokens() == 32
     assert (await p.layer(3)).shape[0] == 32
-    assert "dikv_verification_failures_total 1.0" in requests.get(url + "/metrics").text
+    assert "kvstore_verification_failures_total 1.0" in requests.get(url + "/metrics").text
     assert (await client.lookup(hashes)).blocks == 2
 
 

@@ -22,15 +22,15 @@ class StoreCollector:
     def collect(self):
         s = self.store.stats
         for name, value, doc in [
-            ("dikv_bytes_read", s.bytes_read, "latent bytes delivered by verified reads"),
-            ("dikv_bytes_written", s.bytes_written, "segment bytes made durable"),
-            ("dikv_blocks_written", s.blocks_written, "blocks saved"),
-            ("dikv_segments_written", s.segments_written, "segments saved"),
-            ("dikv_write_failures", s.write_failures, "saves that failed (nothing published)"),
-            ("dikv_verification_failures", s.verification_failures, "blocks that failed verification"),
-            ("dikv_evictions", s.evictions, "segments evicted for capacity or by an admin"),
-            ("dikv_expired_segments", s.expired, "segments retired after their entries expired"),
-            ("dikv_segments_deleted", s.segments_deleted, "segment objects deleted from volumes"),
+            ("kvstore_bytes_read", s.bytes_read, "latent bytes delivered by verified reads"),
+            ("kvstore_bytes_written", s.bytes_written, "segment bytes made durable"),
+            ("kvstore_blocks_written", s.blocks_written, "blocks saved"),
+            ("kvstore_segments_written", s.segments_written, "segments saved"),
+            ("kvstore_write_failures", s.write_failures, "saves that failed (nothing published)"),
+            ("kvstore_verification_failures", s.verification_failures, "blocks that failed verification"),
+            ("kvstore_evictions", s.evictions, "segments evicted for capacity or by an admin"),
+            ("kvstore_expired_segments", s.expired, "segments retired after their entries expired"),
+            ("kvstore_segments_deleted", s.segments_deleted, "segment objects deleted from volumes"),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
         h = s.read_latency
@@ -38,10 +38,10 @@ class StoreCollector:
         for bound, count in zip(list(h.buckets) + [float("inf")], h.counts):
             cumulative += count
             buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
-        yield HistogramMetricFamily("dikv_layer_read_seconds", "latency of one verified layer read of a hit",
+        yield HistogramMetricFamily("kvstore_layer_read_seconds", "latency of one verified layer read of a hit",
                                     buckets=buckets, sum_value=h.total_s)
-        used = GaugeMetricFamily("dikv_volume_used_bytes", "bytes of live segments per volume", labels=["volume"])
-        budget = GaugeMetricFamily("dikv_volume_budget_bytes", "byte budget per volume (0: none)", labels=["volume"])
+        used = GaugeMetricFamily("kvstore_volume_used_bytes", "bytes of live segments per volume", labels=["volume"])
+        budget = GaugeMetricFamily("kvstore_volume_budget_bytes", "byte budget per volume (0: none)", labels=["volume"])
         for vid in self.store.volumes:
             used.add_metric([vid], self.volume_used.get(vid, 0))
             budget.add_metric([vid], self.store.capacity.budget_bytes or 0)
