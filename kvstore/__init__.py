@@ -18,7 +18,7 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
     RetentionPolicy(classes={"chat": 7 d, "agent": 3 d}, min_ttl_s=60, max_ttl_s=30 d)
 
     store = await BlockStore.open(volumes, geometry, fingerprint, index, budget_bytes=None,
-                                  max_segment_blocks=64, read_ahead=2, threads=4, read_mode="mmap", ...)
+                                  max_segment_blocks=64, read_ahead=4, threads=8, read_mode="mmap", ...)
         volumes: directory paths or tensorstore kvstore specs (dict or URL)
         await store.save(hashes, layers, start_block=0, tenant="", retention="chat", ttl_s=None)
             -> SaveResult(blocks, segments, bytes)      # durable AND published when it returns

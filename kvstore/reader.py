@@ -121,10 +121,17 @@ class SegmentReader:
             block += run.count
         valid = blocks
         block = 0
-        for run, bad in zip(hit.truncated(blocks).runs, await asyncio.gather(*reads)):
+        for run, bad in zip(hit.truncated(blocks).runs, await asyncio.gather(*reads, return_exceptions=True)):
+            if isinstance(bad, asyncio.CancelledError):
+                raise bad
+            if isinstance(bad, Exception):  # a volume error is a cache fault like any other
+                log.error("layer %d of segment %s unreadable: %r", layer, run.segment, bad)
+                valid = block
+                await self._reject(hit, valid, run.segment, f"layer {layer} unreadable")
+                break
             if bad is not None:
                 valid = block + bad
-                await self._reject(hit, valid, run.segment, f"layer {layer} checksum")
+                await self._reject(hit, valid, run.segment, f"layer {layer} checksum or short read")
                 break
             block += run.count
         self.stats.layer_reads += 1

@@ -24,6 +24,9 @@ from .volume import Volume
 
 log = logging.getLogger(__name__)
 
+READ_AHEAD_LAYERS = 4   # layers in flight per prefetch (kv_bench: more in flight reads faster, cold and warm)
+IO_THREADS = 8          # volume reads and checksums; mostly waiting on I/O or copying with the GIL released
+
 
 class SaveResult(NamedTuple):
     blocks: int                  # blocks written and published
@@ -60,7 +63,7 @@ class BlockStore(SegmentReader):
     def __init__(self, volumes: Sequence[Volume], geometry: CacheGeometry, fingerprint: str,
                  index: PrefixIndex, ledger: VolumeLedger, pool: ThreadPoolExecutor, *,
                  budget_bytes: int | None = None, retention: RetentionPolicy | None = None,
-                 max_segment_blocks: int = 64, read_ahead: int = 2, read_chunk_bytes: int = 4 * MiB,
+                 max_segment_blocks: int = 64, read_ahead: int = READ_AHEAD_LAYERS, read_chunk_bytes: int = 4 * MiB,
                  reader_grace_s: float = 30.0) -> None:
         if not volumes:
             raise ValueError("a block store needs at least one volume")
@@ -79,7 +82,7 @@ class BlockStore(SegmentReader):
 
     @classmethod
     async def open(cls, volumes: Sequence[str | dict[str, Any]], geometry: CacheGeometry, fingerprint: str,
-                   index: PrefixIndex, *, threads: int = 4, read_mode: str = "mmap", **options) -> "BlockStore":
+                   index: PrefixIndex, *, threads: int = IO_THREADS, read_mode: str = "mmap", **options) -> "BlockStore":
         """Open (creating if needed) the volumes; `read_mode` for `file` volumes: "mmap", "pread" or
         "tensorstore" (see Volume); `options` are the constructor's keywords."""
         pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-io")

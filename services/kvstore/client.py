@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from kvstore import CacheGeometry, Hit, LayerRead, Prefetch, SaveResult, miss
+from kvstore.store import READ_AHEAD_LAYERS
 
 from . import wire
 
@@ -36,7 +37,7 @@ class KvstoreClient:
     raises KvstoreError); reads never raise for cache faults or an unreachable service, they
     serve fewer (possibly zero) valid tokens."""
 
-    def __init__(self, base_url: str, geometry: CacheGeometry, fingerprint: str, *, read_ahead: int = 2,
+    def __init__(self, base_url: str, geometry: CacheGeometry, fingerprint: str, *, read_ahead: int = READ_AHEAD_LAYERS,
                  timeout_s: float = 30.0, max_request_bytes: int = 256 << 20,
                  session: aiohttp.ClientSession | None = None) -> None:
         self.base_url = base_url.rstrip("/")

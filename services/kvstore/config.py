@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore import CacheGeometry
+from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
 
 
 @dataclass(slots=True)
@@ -26,8 +27,8 @@ class KvstoreConfig:
     budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume in GiB (0: unlimited)"})
     max_body_mib: int = field(default=512, metadata={"help": "largest request body accepted (MiB)"})
     max_segment_blocks: int = field(default=64, metadata={"help": "blocks per segment at most"})
-    read_ahead: int = field(default=2, metadata={"help": "layers in flight per prefetch"})
-    io_threads: int = field(default=4, metadata={"help": "threads for volume reads and checksums"})
+    read_ahead: int = field(default=READ_AHEAD_LAYERS, metadata={"help": "layers in flight per prefetch"})
+    io_threads: int = field(default=IO_THREADS, metadata={"help": "threads for volume reads and checksums"})
     read_mode: str = field(default="mmap", metadata={"help": "file volume reads: mmap, pread or tensorstore"})
     sweep_interval_s: float = field(default=60.0, metadata={"help": "seconds between expiry sweeps (0: off)"})
     reader_grace_s: float = field(default=30.0, metadata={"help": "seconds a retired segment stays readable"})
