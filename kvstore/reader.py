@@ -97,6 +97,8 @@ class SegmentReader:
             return 0, f"foreign geometry {header.geometry}"
         if header.n_blocks != run.n_blocks or run.first + run.count > header.n_blocks:
             return 0, f"segment has {header.n_blocks} blocks, the index says {run.n_blocks}"
+        if header.data_offset != run.data_offset:
+            return 0, f"segment data starts at byte {header.data_offset}, the index says {run.data_offset}"
         for i in range(run.count):
             if header.hashes[run.first + i] != hit.hashes[block + i]:
                 return i, "block hash mismatch"
