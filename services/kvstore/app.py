@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", BlockStore)
 CONFIG = web.AppKey("config", KvstoreConfig)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+COLLECTOR = web.AppKey("collector", StoreCollector)
 
 
 @web.middleware
@@ -54,16 +56,12 @@ def create_app(config: KvstoreConfig) -> web.Application:
         return checks
 
     add_health_routes(app, readiness)
-    registry = CollectorRegistry()
-    collector_box: list[StoreCollector] = []
+    app[REGISTRY] = CollectorRegistry()
 
     async def refresh() -> None:
-        if not collector_box:
-            collector_box.append(StoreCollector(app[STORE]))
-            registry.register(collector_box[0])
-        await collector_box[0].refresh()
+        await app[COLLECTOR].refresh()
 
-    add_metrics_route(app, registry, before=refresh)
+    add_metrics_route(app, app[REGISTRY], before=refresh)
     add_admin_routes(app, STORE)
     return app
 
@@ -80,6 +78,8 @@ async def _store_lifecycle(app: web.Application):
     if config.sweep_interval_s > 0:
         store.capacity.start(config.sweep_interval_s)
     app[STORE] = store
+    app[COLLECTOR] = StoreCollector(store)
+    app[REGISTRY].register(app[COLLECTOR])
     log.info("kvstore serving %s on %d volumes", config.fingerprint, len(store.volumes))
     yield
     await store.close()
