@@ -134,7 +134,7 @@ async def read_layer(request: web.Request) -> web.Response:
 async def lookup(request: web.Request) -> web.Response:
     store = request.app[STORE]
     message = await _message(request)
-    hit = await store.index.lookup(wire._hashes(message))
+    hit = await store.index.lookup(wire.parse_hashes(message))
     return web.Response(body=msgpack.packb(wire.encode_hit(hit)), content_type=wire.MSGPACK)
 
 

@@ -66,7 +66,7 @@ def check_model(message: dict, fingerprint: str, geometry: CacheGeometry) -> Non
         raise RequestError(409, f"geometry {given} does not match this kvstore's {geometry.as_dict()}", "geometry")
 
 
-def _hashes(message: dict) -> list[bytes]:
+def parse_hashes(message: dict) -> list[bytes]:
     hashes = _field(message, "hashes", list)
     if not hashes or any(not isinstance(h, bytes) or len(h) != HASH_BYTES for h in hashes):
         raise RequestError(400, f"hashes must be a non-empty list of {HASH_BYTES}-byte strings", "hashes")
@@ -74,7 +74,7 @@ def _hashes(message: dict) -> list[bytes]:
 
 
 def parse_save(message: dict, geometry: CacheGeometry) -> SaveRequest:
-    hashes = _hashes(message)
+    hashes = parse_hashes(message)
     start = _field(message, "start_block", int, 0)
     if not 0 <= start < len(hashes):
         raise RequestError(400, f"start_block must be in [0, {len(hashes)})", "start_block")
@@ -110,7 +110,7 @@ def parse_run(raw: Any, i: int) -> SegmentRun:
 
 
 def parse_read(message: dict, geometry: CacheGeometry) -> ReadRequest:
-    hashes = _hashes(message)
+    hashes = parse_hashes(message)
     runs = [parse_run(r, i) for i, r in enumerate(_field(message, "runs", list))]
     if sum(r.count for r in runs) != len(hashes):
         raise RequestError(400, "runs must cover exactly the listed hashes", "runs")
