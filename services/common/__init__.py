@@ -1,6 +1,6 @@
 """Plumbing every service shares: config loading, JSON errors, health/readiness, metrics, admin auth.
 
-    load_config(cls, prefix, argv=None, env=None) -> cls        # flags > DEEPINFER_<PREFIX>_* > defaults
+    load_config(cls, prefix, argv=None, env=None, prog=None) -> cls   # flags > DEEPINFER_<PREFIX>_* > defaults
     RequestError(status, message, field=None); json_error(...); error_middleware
     add_health_routes(app, readiness: async () -> dict[str, bool])   # /healthz, /readyz
     add_metrics_route(app, registry, before=None)                     # /metrics

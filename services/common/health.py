@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable
 
+import logging
+
 from aiohttp import web
 
-# A readiness probe: dependency name -> reachable. Must not raise.
+log = logging.getLogger(__name__)
+
+# A readiness probe: dependency name -> reachable. Should not raise (if it does: not ready).
 Readiness = Callable[[], Awaitable[dict[str, bool]]]
 
 
@@ -14,7 +18,11 @@ def add_health_routes(app: web.Application, readiness: Readiness) -> None:
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        checks = await readiness()
+        try:
+            checks = await readiness()
+        except Exception as e:  # a probe that breaks says "not ready", with why
+            log.exception("readiness probe failed")
+            checks = {f"probe ({type(e).__name__})": False}
         ready = all(checks.values())
         return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
 
