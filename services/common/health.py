@@ -1,9 +1,8 @@
 """GET /healthz (the process is alive) and GET /readyz (every dependency answers)."""
 from __future__ import annotations
 
-from typing import Awaitable, Callable
-
 import logging
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
