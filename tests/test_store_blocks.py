@@ -169,26 +169,38 @@ async def test_foreign_fingerprint_is_a_miss(tmp_path, index, store):
         await other.close()
 
 
-async def test_concurrent_writers_and_readers(store, index):
-    chains = {seed: block_hashes(prompt(6, seed), FP, "t", 16) for seed in range(50, 58)}
+async def test_concurrent_writers_and_readers(store, index, tmp_path):
+    """Two stores on the same volumes and index (as an engine and the kvstore service are), each
+    writing and reading while the other does; chains share a prefix so saves overlap."""
+    other = await open_store(tmp_path, index)
+    shared = prompt(2, 49)
+    chains = {seed: block_hashes(shared + prompt(4, seed), FP, "t", 16) for seed in range(50, 58)}
     data = {seed: latents(6, seed) for seed in chains}
+    for seed in chains:  # the shared 2 blocks have one content whoever writes them
+        for layer, shared_rows in zip(data[seed], data[50]):
+            layer[:32] = shared_rows[:32]
 
     async def writer(seed):
-        await store.save(chains[seed], data[seed])
-        await store.save(chains[seed], data[seed])  # the same blocks twice: still consistent
+        mine = store if seed % 2 else other
+        await mine.save(chains[seed], data[seed])
+        await mine.save(chains[seed], data[seed])  # the same blocks twice: still consistent
 
     async def reader(seed):
+        mine = other if seed % 2 else store
         for _ in range(10):
             hit = await index.lookup(chains[seed])
-            layers, valid = await read_all(store, hit)
+            layers, valid = await read_all(mine, hit)
             for got, want in zip(layers, data[seed]):
                 assert np.array_equal(got[:valid].view(np.uint16), want[:valid].view(np.uint16))
             await asyncio.sleep(0.005)
 
-    await asyncio.gather(*(writer(s) for s in chains), *(reader(s) for s in chains))
-    for seed in chains:
-        assert (await index.lookup(chains[seed])).blocks == 6
-    assert store.stats.verification_failures == 0
+    try:
+        await asyncio.gather(*(writer(s) for s in chains), *(reader(s) for s in chains))
+        for seed in chains:
+            assert (await index.lookup(chains[seed])).blocks == 6
+        assert store.stats.verification_failures == other.stats.verification_failures == 0
+    finally:
+        await other.close()
 
 
 async def test_non_file_volume_through_tensorstore(tmp_path, index):
