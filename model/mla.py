@@ -63,46 +63,51 @@ class MLAttention(nnx.Module):
         kpe_TR = self._rope(ckv_TX[:, None, self.kv_lora_rank:], positions_T)[:, 0]
         return jnp.concatenate([c_TC, kpe_TR], axis=-1).astype(self.cache_dtype)
 
-    def __call__(self, x_TD: jax.Array, positions_T: jax.Array, cache_SA: jax.Array, start: jax.Array,
-                 view: int, absorbed: bool) -> tuple[jax.Array, jax.Array]:
-        """Attends chunk x (absolute positions `positions_T`, starting at `start`) over cache[:view].
+    def project(self, x_TD: jax.Array, positions_T: jax.Array, cache_SA: jax.Array, start: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries of these tokens, and their latents written into the cache at [start, start+T).
 
-        Writes the chunk's latents into cache at [start, start+T) first; returns (out_TD, cache_SA).
-        Keys at positions > a query's position are masked, which also hides padding and stale rows.
-        """
+        Returns (q_nope (N, T, H), q_pe (N, T, R) after RoPE, cache_SA)."""
         T, N = x_TD.shape[0], self.num_heads
         if hasattr(self, "q_proj"):
             q_TX = self.q_proj(x_TD)
         else:
             q_TX = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TD)))
         q_TNK = q_TX.reshape(T, N, self.nope_dim + self.rope_dim)
-        q_nope_TNH = q_TNK[..., : self.nope_dim]
         q_pe_TNR = self._rope(q_TNK[..., self.nope_dim:], positions_T)
-
         cache_SA = jax.lax.dynamic_update_slice(cache_SA, self.latents(x_TD, positions_T), (start, 0))
-        kv_SA = cache_SA[:view].astype(x_TD.dtype)  # attention reads the latents at cache precision
-        c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
-        w_uk, w_uv = self.w_uk[...], self.w_uv[...]
+        return q_TNK[..., : self.nope_dim].transpose(1, 0, 2), q_pe_TNR.transpose(1, 0, 2), cache_SA
 
-        # Head-major (N, T, S) scores: every contraction below is a plain batched matmul, no transposes
-        # of the big score tensor.
-        q_pe_NTR = q_pe_TNR.transpose(1, 0, 2)
-        q_nope_NTH = q_nope_TNH.transpose(1, 0, 2)
+    def expand(self, cache_SA: jax.Array, view: int, dtype) -> tuple[jax.Array, jax.Array]:
+        """K_nope (N, S, H) and V (N, S, V) of cache rows [0, view), from the latents at cache precision.
+        Done once per layer per prefill, however many query chunks then read them."""
+        c_SC = cache_SA[:view, : self.kv_lora_rank].astype(dtype)
+        return (jnp.einsum("sc,cnh->nsh", c_SC, self.w_uk[...]), jnp.einsum("sc,cnv->nsv", c_SC, self.w_uv[...]))
+
+    def attend(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array, cache_SA: jax.Array,
+               view: int, expanded: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        """Attention of T queries over cache rows [0, view); returns (T, D).
+
+        With `expanded` (K_nope, V from `expand`) it is the expanded form; without, the absorbed form
+        (W_UK folded into q, W_UV applied after attention). Keys after a query's position are masked,
+        which also hides padding and stale rows. Scores are head-major (N, T, S): plain batched matmuls.
+        """
+        T, dtype = q_nope_NTH.shape[1], q_nope_NTH.dtype
+        kv_SA = cache_SA[:view].astype(dtype)  # attention reads the latents at cache precision
+        c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
         scores_NTS = jnp.einsum("ntr,sr->nts", q_pe_NTR, kpe_SR)
-        if absorbed:
-            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, w_uk)
+        if expanded is None:
+            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...])
             scores_NTS = scores_NTS + jnp.einsum("ntc,sc->nts", q_lat_NTC, c_SC)
         else:
-            k_nope_NSH = jnp.einsum("sc,cnh->nsh", c_SC, w_uk)
+            k_nope_NSH = expanded[0][:, :view]
             scores_NTS = scores_NTS + jnp.einsum("nth,nsh->nts", q_nope_NTH, k_nope_NSH)
-        key_pos_S = jnp.arange(view)
-        causal_TS = key_pos_S[None, :] <= positions_T[:, None]
+        causal_TS = jnp.arange(view)[None, :] <= positions_T[:, None]
         scores_NTS = jnp.where(causal_TS[None], scores_NTS.astype(jnp.float32) * self.scale, -jnp.inf)
-        probs_NTS = jax.nn.softmax(scores_NTS, axis=-1).astype(x_TD.dtype)
-        if absorbed:
+        probs_NTS = jax.nn.softmax(scores_NTS, axis=-1).astype(dtype)
+        if expanded is None:
             out_lat_NTC = jnp.einsum("nts,sc->ntc", probs_NTS, c_SC)
-            out_TNV = jnp.einsum("ntc,cnv->tnv", out_lat_NTC, w_uv)
+            out_TNV = jnp.einsum("ntc,cnv->tnv", out_lat_NTC, self.w_uv[...])
         else:
-            v_NSV = jnp.einsum("sc,cnv->nsv", c_SC, w_uv)
-            out_TNV = jnp.einsum("nts,nsv->tnv", probs_NTS, v_NSV)
-        return self.o_proj(out_TNV.reshape(T, N * self.v_dim)), cache_SA
+            out_TNV = jnp.einsum("nts,nsv->tnv", probs_NTS, expanded[1][:, :view])
+        return self.o_proj(out_TNV.reshape(T, self.num_heads * self.v_dim))

@@ -41,11 +41,22 @@ def _embed(embed_VD: jax.Array, tokens_T: jax.Array) -> jax.Array:
     return jnp.take(embed_VD, tokens_T, axis=0)
 
 
-@partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(3,))
-def _layer_step(graphdef, state, x_TD, cache_SA, start, view, absorbed):
-    layer = nnx.merge(graphdef, state)
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _project(graphdef, state, x_TD, cache_SA, start):
     positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
-    return layer(x_TD, positions_T, cache_SA, start, view, absorbed)
+    return nnx.merge(graphdef, state).project(x_TD, positions_T, cache_SA, start)
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def _expand(graphdef, state, cache_SA, view):
+    attn = nnx.merge(graphdef, state).attn
+    return attn.expand(cache_SA, view, attn.w_uk.dtype)
+
+
+@partial(jax.jit, static_argnums=(0, 7))
+def _finish(graphdef, state, x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, expanded):
+    positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
+    return nnx.merge(graphdef, state).finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -136,15 +147,35 @@ class ModelRunner:
     def embed(self, tokens_T: np.ndarray) -> jax.Array:
         return _embed(self.embed_VD, jnp.asarray(tokens_T, jnp.int32))
 
-    def layer(self, layer: int, x_TD: jax.Array, cache: LatentCache, start: int) -> jax.Array:
-        T = x_TD.shape[0]
-        view = min(cache.capacity, _pow2(max(start + T, MIN_VIEW)))
-        absorbed = (prefer_absorbed(self.cfg, T, view) if self.attention == "auto"
-                    else self.attention == "absorbed")
+    def layer(self, layer: int, chunks: list[jax.Array], cache: LatentCache, start: int) -> list[jax.Array]:
+        """One decoder layer over consecutive chunks of T tokens (positions start, start+T, ...).
+
+        Layer-major: every chunk's latents go into the cache first, K/V are expanded from the cache once
+        for the whole span (expanded form), then each chunk attends over its causal view. A long prompt
+        thus expands each latent once per layer, not once per chunk.
+        """
+        T = chunks[0].shape[0]
+        span = T * len(chunks)
         graphdef, state = self.layers[layer]
-        x_TD, cache.layers[layer] = _layer_step(graphdef, state, x_TD, cache.layers[layer],
-                                                jnp.int32(start), view, absorbed)
-        return x_TD
+        buf = cache.layers[layer]
+        queries = []
+        for i, x_TD in enumerate(chunks):
+            q_nope_NTH, q_pe_NTR, buf = _project(graphdef, state, x_TD, buf, jnp.int32(start + i * T))
+            queries.append((q_nope_NTH, q_pe_NTR))
+        full_view = self._view(cache, start + span)
+        absorbed = (prefer_absorbed(self.cfg, span, full_view) if self.attention == "auto"
+                    else self.attention == "absorbed")
+        expanded = None if absorbed else _expand(graphdef, state, buf, full_view)
+        out = [_finish(graphdef, state, x_TD, *queries[i], buf, jnp.int32(start + i * T),
+                       self._view(cache, start + (i + 1) * T), expanded)
+               for i, x_TD in enumerate(chunks)]
+        cache.layers[layer] = buf
+        return out
+
+    @staticmethod
+    def _view(cache: LatentCache, end: int) -> int:
+        """Power-of-two count of cache rows a query chunk ending at `end` attends over."""
+        return min(cache.capacity, _pow2(max(end, MIN_VIEW)))
 
     def logits(self, x_TD: jax.Array, index: int) -> jax.Array:
         graphdef, state = self.head
@@ -165,24 +196,20 @@ class ModelRunner:
         n = tokens.size
         cache = cache or LatentCache(self.cfg)
         chunk = _pow2(chunk_tokens) if chunk_tokens else self.chunk_size(start + n)
-        last_T = min(chunk, _pow2(max(n, MIN_CHUNK)))
-        cache.reserve(start + n + last_T + reserve)  # room for the padded tail chunk
-        x_TD, done = None, 0
-        while done < n:
-            piece = tokens[done: done + chunk]
-            T = 1 if piece.size == 1 else min(chunk, _pow2(max(piece.size, MIN_CHUNK)))
-            x_TD = self.embed(np.pad(piece, (0, T - piece.size)))
-            pos = start + done
-            for layer in range(self.cfg.num_layers):
-                if load_prefix is not None and done == 0:
-                    # Finish the layers already queued first, so the time load_prefix blocks is
-                    # exactly the time compute waits for disk (the prefetch stall).
-                    jax.block_until_ready(x_TD)
-                    cache.place_prefix(layer, load_prefix(layer))
-                x_TD = self.layer(layer, x_TD, cache, pos)
-            done += piece.size
-            cache.length = start + done
-        return Prefill(np.asarray(self.logits(x_TD, piece.size - 1)), cache)
+        T = 1 if n == 1 else min(chunk, _pow2(max(n, MIN_CHUNK)))
+        count = -(-n // T)
+        cache.reserve(start + count * T + reserve)  # the padded tail chunk writes rows too
+        padded = np.pad(tokens, (0, count * T - n))
+        chunks = [self.embed(padded[i * T:(i + 1) * T]) for i in range(count)]
+        for layer in range(self.cfg.num_layers):
+            if load_prefix is not None:
+                # Finish the layers already queued first, so the time load_prefix blocks is
+                # exactly the time compute waits for disk (the prefetch stall).
+                jax.block_until_ready(chunks)
+                cache.place_prefix(layer, load_prefix(layer))
+            chunks = self.layer(layer, chunks, cache, start)
+        cache.length = start + n
+        return Prefill(np.asarray(self.logits(chunks[-1], (n - 1) - (count - 1) * T)), cache)
 
     def decode_step(self, token: int, cache: LatentCache) -> np.ndarray:
         return self.prefill([token], cache, start=cache.length).logits

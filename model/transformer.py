@@ -22,11 +22,14 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype, rngs)
 
-    def __call__(self, x_TD: jax.Array, positions_T: jax.Array, cache_SA: jax.Array, start: jax.Array,
-                 view: int, absorbed: bool) -> tuple[jax.Array, jax.Array]:
-        h_TD, cache_SA = self.attn(self.input_norm(x_TD), positions_T, cache_SA, start, view, absorbed)
-        x_TD = x_TD + h_TD
-        return x_TD + self.mlp(self.post_attn_norm(x_TD)), cache_SA
+    # A layer runs in three steps so that a long prompt expands K/V once per layer (see ModelRunner):
+    def project(self, x_TD, positions_T, cache_SA, start):
+        return self.attn.project(self.input_norm(x_TD), positions_T, cache_SA, start)
+
+    def finish(self, x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded):
+        """Attention output + residual, then the feed-forward + residual: (T, D)."""
+        x_TD = x_TD + self.attn.attend(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
+        return x_TD + self.mlp(self.post_attn_norm(x_TD))
 
 
 class Head(nnx.Module):
