@@ -1,8 +1,11 @@
-"""`deepinfer` command line: model weights now; the stack (`up`) and benchmarks join as they land."""
+"""`deepinfer` command line: model weights (`model init|convert`), the stack (`up`), benchmarks (`bench`)."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+BENCHES = {"ttft": "bench.ttft_bench", "trace": "bench.trace_bench"}
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -40,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--name", default=None, help="model name (default: the HF directory's name)")
     conv.set_defaults(run=_model_convert)
     commands.add_parser("up", help="start the whole stack on this machine (see `deepinfer up --help`)")
+    bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace --help`")
+    bench.add_argument("which", choices=sorted(BENCHES))
     return parser
 
 
@@ -49,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher import up
 
         return up(argv[1:])
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # each benchmark parses its own flags
+        import importlib
+
+        return importlib.import_module(BENCHES[argv[1]]).main(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
