@@ -41,6 +41,8 @@ class StackConfig:
     api_keys: str = field(default="", metadata={"help": "KEY:TENANT,...; empty = open local mode"})
     admin_token: str = field(default="", metadata={"help": "admin bearer token (default: random, printed)"})
     cache: bool = field(default=True, metadata={"help": "serve and save cached prefixes"})
+    remote_cache: bool = field(default=False, metadata={
+        "help": "engines read and save through the kvstore service instead of mounting the volumes"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long to wait for every service"})
 
 
@@ -91,8 +93,11 @@ class Stack:
                 "--num-layers", str(model_cfg.num_layers), "--latent-dim", str(model_cfg.latent_dim),
                 "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib)])
             for i, url in enumerate(self.engine_urls):
-                engine_cache = common + volume_flags if cache else ["--host", self.cfg.host, "--admin-token",
-                                                                    self.admin_token, "--no-save"]
+                engine_cache = ["--host", self.cfg.host, "--admin-token", self.admin_token]
+                if cache and self.cfg.remote_cache:
+                    engine_cache += ["--kvstore-url", self.kvstore_url]
+                elif cache:
+                    engine_cache = common + volume_flags
                 self._spawn(f"engine{i}", "services.engine", engine_cache + [
                     "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
                     "--cache-dtype", self.cfg.cache_dtype,

@@ -152,8 +152,9 @@ class EngineState:
                     "prefill_tokens_per_s": g.prefill_tokens_per_s}
         if self.cache is not None:
             out["cache_connected"] = self.cache.store is not None
-            if self.cache.store is not None:
-                out["store"] = dataclasses.asdict(self.cache.store.stats)
+            stats = getattr(self.cache.store, "stats", None)  # a mounted BlockStore has stats; the remote client not
+            if dataclasses.is_dataclass(stats):
+                out["store"] = dataclasses.asdict(stats)
         return out
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import aiohttp
+
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, open_redis
 from services.engine.config import EngineConfig
+from services.kvstore.client import KvstoreClient
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,12 @@ class CacheLink:
             self._task = asyncio.create_task(self._connect())
 
     async def _connect(self) -> None:
+        if self.cfg.kvstore_url:
+            # Remote: no volumes here; every read and save goes through the kvstore service, whose
+            # client degrades to misses by itself while the service is down.
+            self.store = KvstoreClient(self.cfg.kvstore_url, self.geometry, self.fingerprint,
+                                       read_ahead=self.cfg.read_ahead)
+            return
         while self.store is None:
             try:
                 index = PrefixIndex(open_redis(self.cfg.redis_url, self.cfg.redis_cluster), self.cfg.index_prefix)
@@ -47,6 +56,8 @@ class CacheLink:
     async def ready(self) -> dict[str, bool]:
         if not self.cfg.caching:
             return {}
+        if self.cfg.kvstore_url:
+            return {"cache": await _answers(self.cfg.kvstore_url + "/healthz")}
         return {"cache": self.store is not None and self.index is not None and await self.index.ping()}
 
     async def close(self) -> None:
@@ -55,3 +66,12 @@ class CacheLink:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.store is not None:
             await self.store.close()
+
+
+async def _answers(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            async with session.get(url) as response:
+                return response.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False

@@ -18,7 +18,9 @@ class EngineConfig:
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype: bfloat16 or float32"})
     volumes: list[str] = field(default_factory=list, metadata={
         "flag": "volume", "help": "a cache volume (directory or tensorstore kvstore spec); repeat per SSD"})
-    redis_url: str = field(default="", metadata={"help": "prefix index; empty disables the cache"})
+    redis_url: str = field(default="", metadata={"help": "prefix index (with --volume); empty disables the cache"})
+    kvstore_url: str = field(default="", metadata={
+        "help": "read and save through the kvstore service instead of mounting the volumes"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
     index_prefix: str = field(default="dikv", metadata={"help": "key prefix of the prefix index"})
     budget_bytes: int = field(default=0, metadata={"help": "per-volume byte budget (0 = unlimited)"})
@@ -41,12 +43,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.kvstore_url and self.volumes:
+            raise ValueError("give either --kvstore-url (remote cache) or --volume (mounted), not both")
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
 
     @property
     def caching(self) -> bool:
-        return bool(self.redis_url and self.volumes)
+        return bool(self.kvstore_url or (self.redis_url and self.volumes))
 
 
 def load(argv: list[str] | None = None, env: dict[str, str] | None = None) -> EngineConfig:
