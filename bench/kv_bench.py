@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=str(report.OUT / "kv_bench"), help="work directory on the device to test")
     parser.add_argument("--tokens", type=int, default=32_768, help="prefix length in tokens")
     parser.add_argument("--volumes", type=int, default=1, help="volume directories (all under --dir)")
-    parser.add_argument("--repeats", type=int, default=3, help="cold+warm read repetitions (median reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="cold+warm read repetitions (median reported)")
     parser.add_argument("--read-ahead", type=int, default=READ_AHEAD_LAYERS, help="layers in flight")
     parser.add_argument("--threads", type=int, default=IO_THREADS, help="I/O threads")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd test file")
