@@ -1,7 +1,9 @@
 """Shared fixtures: real Valkey servers (single and a 3-master cluster) on free loopback ports.
 
 `valkey_server` / `valkey_cluster` are session-scoped (starting servers is the slow part);
-`redis_url` / `cluster_url` give each test an empty keyspace.
+`redis_url` / `cluster_url` give each test an empty keyspace by flushing the shared server, so a
+module-scoped fixture that keeps state in `valkey_server` (a service started once per module)
+must not be combined with `redis_url` in the same module.
 """
 from __future__ import annotations
 
