@@ -57,7 +57,8 @@ class Volume:
     which avoids the kernel's slower copy_to_user path and re-populating page tables;
     "pread" preadv()s into the caller's buffer. Other drivers (and "tensorstore") read through
     tensorstore byte ranges. Caveat of "mmap": a segment file truncated in place by something
-    other than kvstore while mapped makes a read fault (SIGBUS); kvstore never does that.
+    other than kvstore (kvstore never does) is noticed before each read and remapped, but one
+    truncated in the microseconds between that check and the copy would fault the process (SIGBUS).
     """
 
     def __init__(self, store: ts.KvStore, spec: dict[str, Any], volume_id: str, pool: ThreadPoolExecutor,
@@ -133,10 +134,13 @@ class Volume:
         with self._maps_lock:
             self._drop_idle(now)
             cached = self._maps.get(segment)
-            if cached is not None:
-                self._maps[segment] = (cached[0], now)
-                self._maps.move_to_end(segment)
-                return cached[0]
+        if cached is not None and not _shrunk(self._path(segment), len(cached[0])):
+            with self._maps_lock:
+                if segment in self._maps:
+                    self._maps[segment] = (cached[0], now)
+                    self._maps.move_to_end(segment)
+            return cached[0]
+        self.unmap(segment)
         try:
             fd = os.open(self._path(segment), os.O_RDONLY)
         except FileNotFoundError:
@@ -195,6 +199,15 @@ class Volume:
             return found.state == "value" and found.value.decode().strip() == self.id
         except Exception:  # readiness probe: any failure means "not reachable"
             return False
+
+
+def _shrunk(path: str, mapped: int) -> bool:
+    """The file is now shorter than its mapping (touching the lost tail would fault: SIGBUS).
+    A deleted file is not shrunk: its mapping stays valid until unmapped."""
+    try:
+        return os.stat(path).st_size < mapped
+    except FileNotFoundError:
+        return False
 
 
 def _pread_all(path: str, offset: int, out: memoryview) -> int:

@@ -319,3 +319,14 @@ async def test_aclose_waits_out_reads_into_the_buffer(store, index):
     await asyncio.sleep(0.05)
     assert np.array_equal(snapshot.view(np.uint16), staging.view(np.uint16))  # nothing writes any more
     assert await p.valid_tokens() == 0
+
+
+async def test_a_mapped_segment_truncated_in_place_is_remapped(store, index, tmp_path):
+    hashes = block_hashes(prompt(4, 120), FP, "t", 16)
+    await store.save(hashes, latents(4, 120))
+    hit = await index.lookup(hashes)
+    assert (await read_all(store, hit))[1] == 64  # the segment is now mapped
+    path = next(tmp_path.glob(f"ssd*/{segment_key(hit.runs[0].segment)}"))
+    os.truncate(path, os.path.getsize(path) - GEOMETRY.block_bytes)  # layer 3 loses block 3
+    layers, valid = await read_all(store, hit)  # would be SIGBUS on the stale mapping
+    assert valid == 48 and layers[3].shape[0] == 48
