@@ -39,7 +39,7 @@ from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
 
 GEOMETRY = CacheGeometry(num_layers=8, latent_dim=576, block_tokens=64, dtype="bfloat16")
 FINGERPRINT = "kv-bench-mini"
-COMMAND = "sudo .venv/bin/python -m bench.kv_bench   # root only to drop the page cache"
+COMMAND = ".venv/bin/python -m bench.kv_bench"
 
 
 def free_port() -> int:
@@ -176,7 +176,7 @@ async def run(args: argparse.Namespace) -> dict:
         progress("cannot drop the page cache (not root): 'cold' numbers will be warm")
     result: dict = {"geometry": GEOMETRY.as_dict(), "tokens": args.tokens, "volumes": args.volumes,
                     "prefix_bytes": prefix_bytes, "read_ahead": args.read_ahead, "threads": args.threads,
-                    "repeats": args.repeats,
+                    "repeats": args.repeats, "argv": list(args.argv),
                     "cold_is_cold": can_drop, "machine": report.machine(), "load_average_start": os.getloadavg()[0]}
 
     progress(f"raw device: dd iflag=direct over a {args.dd_mib} MiB file in {work}")
@@ -306,7 +306,7 @@ def write_section(result: dict) -> None:
         "checksum-verified. Cold = page cache dropped before the read. GB/s = 10^9 bytes/s, medians.",
         "",
         "```",
-        COMMAND,
+        " ".join([COMMAND, *r["argv"]]) + "   # as root: cold reads drop the page cache",
         "```",
         "",
         report.markdown_table(["", "cold read GB/s", "warm read GB/s", "write GB/s"], rows),
@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd test file")
     parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNG")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     result = asyncio.run(run(args))
     path = report.write_json("kv_bench", result)
     progress(f"wrote {path}")
