@@ -1,0 +1,314 @@
+"""Faults on the real stack (tiny preset, real Valkey, real volumes, one process per service, engines
+reading and saving through the kvstore service): each test breaks one part for real and shows
+what DESIGN.md's invariants promise. The stack is shared; a test restarts what it killed.
+RELIABILITY.md lists every fault with the test that shows it.
+"""
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+from openai import APIError, APIStatusError, AsyncOpenAI
+
+from kvstore.segment import decode_header
+from services.launcher import StackConfig
+from tests.conftest import free_port
+from tests.fault_stack import (FaultStack, SlowLink, admin_json, admin_post, audit_index, chat, engines_metric,
+                               metric, prompt, segment_files, streamed, wait_for_saves)
+
+pytestmark = pytest.mark.timeout(300)
+
+VERIFY_FAILURES = "kvstore_verification_failures_total"
+SEGMENTS_WRITTEN = "kvstore_segments_written_total"
+WRITE_FAILURES = "kvstore_write_failures_total"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    data = tmp_path_factory.mktemp("faults")
+    kvstore_port = free_port()
+    link = SlowLink(kvstore_port).start()
+    cfg = StackConfig(preset="tiny", data_dir=str(data), engines=2, remote_cache=True, gateway_port=free_port(),
+                      kvstore_port=kvstore_port, engine_port=free_port(), redis_port=free_port(),
+                      ready_timeout_s=400)
+    running = FaultStack(cfg, link).start()
+    yield running
+    running.stop()
+    link.stop()
+
+
+def test_flipped_bytes_in_a_segment_are_a_verified_miss_with_the_same_answer(stack):
+    content = prompt("flip")
+    before = segment_files(stack.volume_args)
+    miss_text, miss = chat(stack, content)
+    assert miss.prompt_cache_hit_tokens == 0
+    wait_for_saves(stack)
+    written = [path for path in segment_files(stack.volume_args) if path not in before]
+    assert written, "the miss saved no segment"
+    for path in written:  # flip bytes of block 0 in the last layer's latents, past the header
+        raw = bytearray(path.read_bytes())
+        header = decode_header(bytes(raw[:header_end(raw)]))
+        block_bytes = (len(raw) - header.data_offset) // (header.geometry.num_layers * header.n_blocks)
+        at = header.data_offset + (header.geometry.num_layers - 1) * header.n_blocks * block_bytes + 100
+        with open(path, "r+b") as f:  # in place: the kvstore's mapping of the file sees it
+            f.seek(at)
+            f.write(bytes(b ^ 0xFF for b in raw[at:at + 8]))
+    failures = metric(stack.kvstore_url, VERIFY_FAILURES)
+    fallbacks = engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="verification"}')
+
+    hit_text, hit = chat(stack, content)
+    assert hit_text == miss_text  # greedy: exactly the clean miss's answer
+    assert hit.prompt_cache_hit_tokens == 0  # the engine reports what it loaded verified: nothing
+    assert metric(stack.kvstore_url, VERIFY_FAILURES) > failures
+    assert engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="verification"}') > fallbacks
+    wait_for_saves(stack)
+
+    failures = metric(stack.kvstore_url, VERIFY_FAILURES)
+    third_text, third = chat(stack, content)
+    assert third_text == miss_text
+    assert third.prompt_cache_hit_tokens > 0  # the bad entry was dropped and the prefix saved again
+    assert metric(stack.kvstore_url, VERIFY_FAILURES) == failures  # nothing reads the flipped bytes again
+    assert asyncio.run(audit_index(stack, stack.volume_args)) > 0
+
+
+def header_end(raw: bytes) -> int:
+    return 12 + int.from_bytes(raw[8:12], "little")
+
+
+def test_a_slow_link_to_the_kvstore_makes_the_engine_recompute_past_its_deadline(stack):
+    words = 1000  # ~2,000 tokens: long enough that recomputing takes longer than the deadline's 0.5 s floor
+    content = prompt("slow", words)
+    _, miss_text, _ = streamed(stack, content)
+    wait_for_saves(stack)
+    _, hit_text, hit = streamed(stack, content)  # a fast hit (also compiles the hit path's shapes)
+    assert hit.prompt_cache_hit_tokens > 0 and hit_text == miss_text
+    miss_ttfts = []
+    for i in range(2):
+        ttft, _, usage = streamed(stack, prompt(f"slow-miss-{i}", words))
+        assert usage.prompt_cache_hit_tokens == 0
+        miss_ttfts.append(ttft)
+    wait_for_saves(stack)
+    deadline_fallbacks = engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}')
+
+    stack.link.slow(60.0)  # every response from the kvstore held a minute: far past any deadline
+    try:
+        slow_ttft, slow_text, slow = streamed(stack, content, timeout_s=60)
+    finally:
+        stack.link.fast()
+    rates = [admin_json(stack, url + "/admin/stats")["prefill_tokens_per_s"] for url in stack.engine_urls]
+    budget_s = max(0.5, slow.prompt_tokens / min(rates))
+    print(f"miss TTFT {miss_ttfts}, slow-link hit TTFT {slow_ttft:.2f} s, deadline <= {budget_s:.2f} s")
+    assert slow_text == miss_text
+    assert slow.prompt_cache_hit_tokens == 0  # nothing was loaded: the whole prompt was recomputed
+    assert engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}') == deadline_fallbacks + 1
+    assert slow_ttft < 2 * min(miss_ttfts) + 0.5
+    wait_for_saves(stack)
+
+
+def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):
+    saved = prompt("redis-saved")
+    saved_text, _ = chat(stack, saved)
+    wait_for_saves(stack)
+    port = stack.valkey.port
+    lookup_failures = metric(stack.gateway_url, "gateway_prefix_lookup_failures_total")
+    failed_saves = engines_metric(stack, 'deepinfer_engine_saves_total{outcome="failed"}')
+    stack.valkey.stop()
+    try:
+        text, usage = chat(stack, saved, timeout_s=60)
+        assert text == saved_text and usage.prompt_cache_hit_tokens == 0
+        _, usage = chat(stack, prompt("redis-during"), timeout_s=60)
+        assert usage.prompt_cache_hit_tokens == 0
+        wait_for_saves(stack)
+        assert metric(stack.gateway_url, "gateway_prefix_lookup_failures_total") >= lookup_failures + 2
+        assert engines_metric(stack, 'deepinfer_engine_saves_total{outcome="failed"}') > failed_saves
+    finally:
+        stack.valkey.start()
+    assert stack.valkey.port == port
+    fresh = prompt("redis-after")
+    fresh_text, first = chat(stack, fresh)
+    assert first.prompt_cache_hit_tokens == 0
+    wait_for_saves(stack)
+    text, again = chat(stack, fresh)
+    assert again.prompt_cache_hit_tokens > 0 and text == fresh_text
+    assert asyncio.run(audit_index(stack, stack.volume_args)) > 0
+
+
+async def test_kvstore_killed_mid_saves_leaves_no_torn_entry_and_hits_resume_after_restart(stack):
+    contents = [prompt(f"kill-{i}", 1000) for i in range(10)]
+    written = await asyncio.to_thread(metric, stack.kvstore_url, SEGMENTS_WRITTEN)
+    failed_saves = await asyncio.to_thread(engines_metric, stack, 'deepinfer_engine_saves_total{outcome="failed"}')
+    aclient = AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    requests = [asyncio.create_task(aclient.chat.completions.create(
+        model="deepseek-chat", messages=[{"role": "user", "content": c}], max_tokens=8, temperature=0))
+        for c in contents]
+    try:
+        deadline = time.monotonic() + 120
+        while await asyncio.to_thread(metric, stack.kvstore_url, SEGMENTS_WRITTEN) < written + 2:
+            assert time.monotonic() < deadline, "no saves reached the kvstore"
+            await asyncio.sleep(0.02)
+        stack.kill("kvstore")  # SIGKILL while the other requests' saves are on their way
+        replies = await asyncio.wait_for(asyncio.gather(*requests), 180)
+    finally:
+        for task in requests:
+            task.cancel()
+        await aclient.close()
+    answers = [r.choices[0].message.content for r in replies]
+    await asyncio.to_thread(wait_for_saves, stack)
+    assert await asyncio.to_thread(engines_metric, stack, 'deepinfer_engine_saves_total{outcome="failed"}') > failed_saves
+
+    try:
+        # The outage: prefixes the index still knows are read through a dead kvstore, so they are misses.
+        for content, answer in [(contents[0], answers[0]), (prompt("kill-during"), None)]:
+            text, usage = await asyncio.to_thread(chat, stack, content, 8, 60)
+            assert usage.prompt_cache_hit_tokens == 0 and (answer is None or text == answer)
+        # Whatever the kill cut short, every index entry reads back whole and verified.
+        assert await audit_index(stack, stack.volume_args) > 0
+    finally:
+        await asyncio.to_thread(stack.restart, "kvstore")
+    await asyncio.to_thread(wait_for_saves, stack)
+    hits = 0
+    for content, answer in zip(contents, answers):
+        text, usage = await asyncio.to_thread(chat, stack, content)
+        assert text == answer  # a hit or a miss, never a different answer
+        hits += usage.prompt_cache_hit_tokens > 0
+    assert hits >= 2  # at least the saves published before the kill are hits again
+
+
+@pytest.fixture
+def small_volume(stack):
+    """A 1 MiB tmpfs mounted as a volume (skips where mounting is not permitted)."""
+    path = stack.data / "small-volume"
+    path.mkdir(exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_then_read_only_volume_skips_saves_and_requests_still_succeed(stack, small_volume):
+    spill = stack.data / "spill-volume"
+    volumes = [str(small_volume), str(spill)]
+    args = stack.commands["kvstore"][1]
+    others = [a for i, a in enumerate(args) if "--volume" not in (a, args[i - 1] if i else "")]
+    stack.restart("kvstore", others + [arg for v in volumes for arg in ("--volume", v)])
+    try:
+        write_failures = metric(stack.kvstore_url, WRITE_FAILURES)
+        answers = {}
+        for i in range(8):  # ~2,000-token prompts: ~400 KiB per saved prefix; the small volume fills
+            content = prompt(f"full-{i}", 1000)
+            answers[content], _ = chat(stack, content)
+            wait_for_saves(stack)
+        assert metric(stack.kvstore_url, WRITE_FAILURES) > write_failures, "the small volume never filled"
+        assert shutil.disk_usage(small_volume).free < 400 << 10
+        assert asyncio.run(audit_index(stack, volumes)) > 0
+
+        # A full volume must not stop the cache: new prefixes are still saved (elsewhere) and hit.
+        for i in range(3):
+            content = prompt(f"after-full-{i}", 1000)
+            answers[content], _ = chat(stack, content)
+            wait_for_saves(stack)
+            text, usage = chat(stack, content)
+            assert usage.prompt_cache_hit_tokens > 0 and text == answers[content]
+
+        subprocess.run(["mount", "-o", "remount,ro", str(small_volume)], check=True)
+        for i in range(3):
+            content = prompt(f"read-only-{i}", 1000)
+            answers[content], _ = chat(stack, content)
+            wait_for_saves(stack)
+            text, usage = chat(stack, content)
+            assert usage.prompt_cache_hit_tokens > 0 and text == answers[content]
+        for content, answer in answers.items():  # what the read-only volume holds is still served
+            assert chat(stack, content)[0] == answer
+        assert asyncio.run(audit_index(stack, volumes)) > 0
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_volume)], check=False)
+        admin_post(stack, stack.kvstore_url + "/admin/evict", {"all": True})  # no entry outlives the volumes
+        stack.restart("kvstore")
+
+
+async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or_a_clear_503(stack):
+    aclient = AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def ask(content: str, max_tokens: int, stream: bool):
+        """'ok' or the error the client saw; never hangs (bounded client and test timeouts)."""
+        try:
+            reply = await aclient.chat.completions.create(
+                model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+                temperature=0, stream=stream)
+            if stream:
+                async for _ in reply:
+                    pass
+            return "ok"
+        except APIStatusError as error:
+            assert error.status_code == 503 and error.body["type"] == "service_unavailable_error", error.body
+            return "503"
+        except APIError as error:  # an error event in the SSE stream after the first token
+            assert "engine" in error.message.lower(), error.message
+            return "stream error"
+
+    engine0_failures = [f'gateway_engine_failures_total{{engine="{stack.engine_urls[0]}",reason="{reason}"}}'
+                        for reason in ("unavailable", "mid_generation")]
+    failures_before = sum(metric(stack.gateway_url, series) for series in engine0_failures)
+    # Both engines idle: the long prefill goes to engine0, then the streams spread over both.
+    prefill = asyncio.create_task(ask(prompt("engine-kill-long", 3000), 8, False))
+    await asyncio.sleep(0.5)
+    streams = [asyncio.create_task(ask(prompt(f"engine-kill-stream-{i}"), 1500, True)) for i in range(2)]
+    await asyncio.sleep(3.0)
+    try:
+        stack.kill("engine0")
+        outcomes = await asyncio.wait_for(asyncio.gather(prefill, *streams), 240)
+        print("outcomes after killing engine0:", outcomes)
+        # the long prefill went to engine0 and had no token yet when it died: retried on engine1
+        assert outcomes[0] == "ok"
+        assert sum(metric(stack.gateway_url, series) for series in engine0_failures) > failures_before
+        assert "ok" in outcomes[1:]  # the stream on engine1 was not disturbed
+        for i in range(3):  # engine0 is out of the rotation: nothing more fails
+            text, _ = await asyncio.to_thread(chat, stack, prompt(f"engine-kill-after-{i}"), 4, 60)
+    finally:
+        await aclient.close()
+        await asyncio.to_thread(stack.restart, "engine0")
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_leaves_no_torn_entry(stack):
+    results = {}
+
+    def ask(name, content, max_tokens):
+        results[name] = streamed(stack, content, max_tokens, timeout_s=120)
+
+    import threading
+    long = threading.Thread(target=ask, args=("engine", prompt("sigterm-engine"), 400))
+    long.start()
+    deadline = time.monotonic() + 60
+    while not any(admin_json(stack, u + "/admin/stats")["in_flight"] for u in stack.engine_urls):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    busy = next(i for i, u in enumerate(stack.engine_urls) if admin_json(stack, u + "/admin/stats")["in_flight"])
+    time.sleep(0.5)
+    began = time.monotonic()
+    try:
+        assert stack.kill(f"engine{busy}", signal.SIGTERM, wait_s=60) == 0
+        long.join(60)
+        print(f"engine{busy} exited {time.monotonic() - began:.1f} s after SIGTERM")
+        _, text, usage = results["engine"]
+        assert usage.completion_tokens == 400  # the in-flight request finished in full
+        assert asyncio.run(audit_index(stack, stack.volume_args)) > 0
+    finally:
+        stack.restart(f"engine{busy}")
+
+    # The gateway: SIGTERM with a request in flight; the request still completes.
+    gateway = threading.Thread(target=ask, args=("gateway", prompt("sigterm-gateway"), 300))
+    gateway.start()
+    time.sleep(1.0)
+    try:
+        assert stack.kill("gateway", signal.SIGTERM, wait_s=60) == 0
+        gateway.join(60)
+        assert results["gateway"][2].completion_tokens == 300
+    finally:
+        stack.restart("gateway")
