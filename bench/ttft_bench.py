@@ -1,0 +1,272 @@
+"""ttft_bench: time to first token through the gateway on a miss, a cold hit and a warm hit, against the
+hit's lower bound and the do-it-yourself transformers alternative, in one run.
+
+    sudo .venv/bin/python -m bench.ttft_bench [--lengths 1K,4K,16K] [--repeats 3]   # root: drop caches
+    python -m bench.ttft_bench --url http://host:8000 --admin-token T --model-dir DIR --volume-dir DIR
+
+Per prompt length L (L - 64 tokens of prefix, then a 64-token new suffix) and per repeat, with fresh
+random token ids so a miss is a real miss:
+  miss       the whole prompt, nothing cached
+  cold hit   the same prefix + a new suffix after `sync; echo 3 > drop_caches`
+  warm hit   the same prefix + another new suffix, page cache warm
+TTFT = client side, request sent -> first streamed chunk (max_tokens 1). Saves are waited for before
+each hit. Beside it: the hit's lower bound max(prefix bytes / raw device bandwidth, suffix compute with
+the prefix in RAM), measured in this run; and transformers' DeepseekV3ForCausalLM (float32, sdpa) on the
+same weights: miss = prefill from scratch, hit = torch.load of the prefix's DynamicCache + suffix prefill.
+By default a fresh stack (preset mini, 1 engine) runs in a temporary directory under --dir.
+Writes bench/out/<name>.json, bench/results/ttft_*.png and the "TTFT (ttft_bench)" BENCHMARKS.md section.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench import report
+from bench.kv_bench import drop_caches, free_port
+from bench.ttft_client import GatewayDriver, peak_rss_bytes
+from bench.ttft_lower_bound import raw_device, suffix_compute
+from bench.ttft_report import goals, summarize, tables, write_report
+
+BLOCK_TOKENS = 64
+COMMAND = "sudo .venv/bin/python -m bench.ttft_bench"  # root only to drop the page cache
+
+
+def say(message: str) -> None:
+    tqdm.write(f"[ttft_bench {time.strftime('%H:%M:%S')}] {message}")
+
+
+def parse_lengths(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        out.append(int(float(part[:-1]) * 1024) if part.endswith("K") else int(part))
+    return sorted(out)
+
+
+# -- phases --
+
+def run_transformers(args, workdir: Path, lengths: list[int], build_model_dir: bool) -> tuple[dict, Path | None]:
+    """The DIY baseline per length; also converts its weights for our stack when build_model_dir."""
+    from bench import ttft_transformers as diy
+
+    say(f"transformers: building {args.preset} (float32, random weights, seed 0)"
+        + (" and converting it for DeepInfer" if build_model_dir else ""))
+    if build_model_dir:
+        model, model_dir = diy.build_same_weights(args.preset, workdir)
+    else:
+        import torch
+        from transformers import DeepseekV3ForCausalLM
+
+        from bench.model_bench import hf_config
+        torch.manual_seed(0)
+        model, model_dir = DeepseekV3ForCausalLM(hf_config(args.preset)).float().eval(), None
+    results: dict = {}
+    rng = np.random.default_rng(1)
+    if args.no_transformers:
+        results = {str(n): {"skipped": "--no-transformers"} for n in lengths}
+    else:
+        plan = []
+        for n in lengths:
+            ok, need = diy.fits(model, n)
+            results[str(n)] = {"estimated_peak_bytes": need, "repeats": []}
+            if not ok:
+                results[str(n)]["skipped"] = (f"would not fit: ~{need / 2**30:.0f} GiB estimated peak "
+                                              f"(mostly (heads, T, T) fp32 attention scores)")
+                say(f"transformers {n}: skipped, {results[str(n)]['skipped']}")
+            elif n > args.hf_max_tokens:
+                results[str(n)]["skipped"] = f"longer than --hf-max-tokens {args.hf_max_tokens} (time)"
+                say(f"transformers {n}: skipped, {results[str(n)]['skipped']}")
+            else:
+                plan.append(n)
+        bar = tqdm(total=len(plan) * args.repeats, desc="transformers miss+hit", unit="run")
+        for n in plan:
+            for _ in range(args.repeats):
+                times = diy.measure(model, n, args.suffix, workdir / "prefix_cache.pt", args.drop, rng)
+                results[str(n)]["repeats"].append(times._asdict())
+                bar.update()
+        bar.close()
+    del model
+    gc.collect()
+    return results, model_dir
+
+
+def misses_at(args, n: int) -> int:
+    """Misses (fresh prefixes) per length: every repeat, except --long-misses at --long-from tokens and up,
+    whose hit repeats then reuse those prefixes (each hit still has a new suffix, cold ones a dropped cache)."""
+    return args.repeats if n < args.long_from else max(1, min(args.repeats, args.long_misses))
+
+
+def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_pid: int | None) -> dict:
+    out: dict = {}
+    total = sum(misses_at(args, n) + 1 + 2 * args.repeats for n in lengths)  # misses, warm-up hit, cold + warm
+    bar = tqdm(total=total, desc="requests via gateway", unit="req")
+    for n in lengths:
+        rows: dict = {"miss": [], "cold_hit": [], "warm_hit": [], "saves_wait_s": []}
+        prefixes = []
+        for _ in range(misses_at(args, n)):
+            prefixes.append(driver.fresh_tokens(n - args.suffix))
+            rows["miss"].append(driver.complete(prefixes[-1] + driver.fresh_tokens(args.suffix))._asdict())
+            bar.update()
+            rows["saves_wait_s"].append(driver.wait_for_saves())
+        # compiles this length's hit shapes in the engine (if not already cached)
+        driver.complete(prefixes[0] + driver.fresh_tokens(args.suffix))
+        driver.wait_for_saves()
+        bar.update()
+        for rep in range(args.repeats):
+            prefix = prefixes[rep % len(prefixes)]
+            args.drop()
+            rows["cold_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
+            bar.update()
+            driver.wait_for_saves()
+            rows["warm_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
+            bar.update()
+            driver.wait_for_saves()
+        unexpected = [r["cached_tokens"] for r in rows["miss"] if r["cached_tokens"] != 0]
+        unexpected += [r["cached_tokens"] for k in ("cold_hit", "warm_hit") for r in rows[k]
+                       if r["cached_tokens"] != n - args.suffix]
+        if unexpected:
+            say(f"{n}: unexpected cached token counts {unexpected}")
+        rows["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None
+        out[str(n)] = rows
+        say(f"{n}: miss {statistics.median(r['client_ttft_s'] for r in rows['miss']):.2f} s, cold hit "
+            f"{statistics.median(r['client_ttft_s'] for r in rows['cold_hit']):.2f} s, warm hit "
+            f"{statistics.median(r['client_ttft_s'] for r in rows['warm_hit']):.2f} s")
+    bar.close()
+    return out
+
+
+def measure(args) -> dict:
+    lengths = parse_lengths(args.lengths)
+    for n in lengths:
+        if n <= args.suffix or (n - args.suffix) % BLOCK_TOKENS:
+            raise SystemExit(f"--lengths: {n} - suffix {args.suffix} must be a positive multiple of {BLOCK_TOKENS}")
+    work = Path(args.dir).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    can_drop = drop_caches() if not args.no_drop else False
+    args.drop = drop_caches if can_drop else (lambda: False)
+    if not can_drop:
+        say("page cache not dropped (--no-drop or not root): 'cold' hits are warm")
+    own = not args.url
+    result: dict = {"machine": report.machine(), "preset": args.preset, "lengths": lengths, "suffix": args.suffix,
+                    "repeats": args.repeats, "own_stack": own, "engines": args.engines if own else None,
+                    "cold_is_cold": can_drop, "load_average_start": os.getloadavg()[0], "phases_s": {},
+                    "misses": {str(n): misses_at(args, n) for n in lengths}}
+    begin = time.perf_counter()
+    try:
+        diy, model_dir = run_transformers(args, work, lengths, build_model_dir=own)
+        result["transformers"] = diy
+        result["same_weights"] = own
+        model_dir = model_dir or Path(args.model_dir)
+        result["phases_s"]["transformers"] = time.perf_counter() - begin
+
+        mark = time.perf_counter()
+        say(f"suffix compute in-process (ModelRunner on {model_dir.name}), prefix latents in RAM")
+        bar = tqdm(total=len(lengths) * (args.repeats + 1), desc="suffix compute", unit="run")
+        compute = suffix_compute(model_dir, lengths, args.suffix, args.repeats, chunk_tokens=args.chunk_tokens,
+                                 progress=bar)
+        bar.close()
+        result["suffix_compute"] = {str(c.tokens): c._asdict() for c in compute}
+        result["phases_s"]["suffix_compute"] = time.perf_counter() - mark
+
+        volume_dir = work if own else Path(args.volume_dir or work)
+        say(f"raw device bandwidth of {volume_dir} (dd iflag=direct, {args.dd_mib} MiB)")
+        result["raw_device"] = raw_device(volume_dir, args.dd_mib)._asdict()
+        say(f"raw: {result['raw_device']['dd_gbps']:.2f} GB/s dd, {result['raw_device']['parallel_gbps']:.2f} GB/s "
+            "8 parallel readers")
+
+        mark = time.perf_counter()
+        stack = None
+        if own:
+            from services.launcher import Stack, StackConfig
+            cfg = StackConfig(preset=args.preset, model_dir=str(model_dir), data_dir=str(work / "stack"),
+                              engines=args.engines, gateway_port=free_port(), kvstore_port=free_port(),
+                              engine_port=free_port(), redis_port=free_port(), ready_timeout_s=600)
+            say(f"starting a stack ({args.engines} engine(s)) in {cfg.data_dir}")
+            stack = Stack(cfg, quiet=True).start()
+            # ports: engine replicas take engine_port + i, so with >1 engine a clash is possible (rare)
+            driver = GatewayDriver(stack.gateway_url, stack.admin_token, stack.engine_urls)
+            engine_pid = stack.procs["engine0"].pid
+        else:
+            driver = GatewayDriver(args.url, args.admin_token)
+            engine_pid = args.engine_pid
+        result["phases_s"]["stack_start"] = time.perf_counter() - mark
+        try:
+            mark = time.perf_counter()
+            result["requests"] = run_stack_requests(args, driver, lengths, engine_pid)
+            result["phases_s"]["requests"] = time.perf_counter() - mark
+            result["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None
+        finally:
+            if stack is not None:
+                stack.stop()
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result["wall_s"] = time.perf_counter() - begin
+    result["load_average_end"] = os.getloadavg()[0]
+    result["summary"] = summarize(result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="", help="a running gateway (default: start a fresh stack)")
+    parser.add_argument("--admin-token", default="", help="the running stack's admin token (with --url)")
+    parser.add_argument("--model-dir", default="", help="the running stack's model directory (with --url)")
+    parser.add_argument("--volume-dir", default="", help="a directory on the volume's device (with --url)")
+    parser.add_argument("--engine-pid", type=int, default=0, help="engine process id for VmHWM (with --url)")
+    parser.add_argument("--preset", default="mini", help="model preset of the stack this bench starts")
+    parser.add_argument("--engines", type=int, default=1, help="engine replicas of the stack this bench starts")
+    parser.add_argument("--lengths", default="1K,4K,16K",
+                        help="prompt lengths in tokens (1K = 1024); 32K adds ~15 min of misses, hence not default")
+    parser.add_argument("--suffix", type=int, default=64, help="new tokens after the cached prefix")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per point (median and min-max)")
+    parser.add_argument("--long-from", type=int, default=16384, help="prompts this long count as slow points")
+    parser.add_argument("--long-misses", type=int, default=1,
+                        help="misses at slow points (their hit repeats reuse these prefixes)")
+    parser.add_argument("--hf-max-tokens", type=int, default=8192,
+                        help="longest prompt transformers runs (its 16K miss takes minutes even where it fits)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--chunk-tokens", type=int, default=512, help="the engine's prefill chunk (EngineConfig)")
+    parser.add_argument("--dd-mib", type=int, default=512, help="size of the raw-bandwidth test file")
+    parser.add_argument("--dir", default=str(report.OUT / "ttft_bench"), help="work directory (on the device to test)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--no-drop", action="store_true", help="never drop the page cache")
+    parser.add_argument("--name", default="ttft_bench", help="JSON name under bench/out/")
+    parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNGs")
+    parser.add_argument("--report-from", default="", help="only re-render the report from this run's JSON")
+    args = parser.parse_args(argv)
+    if args.report_from:
+        result = json.loads(Path(args.report_from).read_text())
+        result["summary"] = summarize(result)
+        write_report(result, result.get("command", COMMAND))
+        print(tables(result))
+        return 0
+    if args.url and not (args.admin_token and args.model_dir):
+        parser.error("--url needs --admin-token and --model-dir (the lower bound runs that model in-process)")
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--no-report",)]
+    command = (COMMAND + " " + " ".join(shown)).strip()
+    result = measure(args)
+    result["command"] = command
+    path = report.write_json(args.name, result)
+    say(f"wrote {path}")
+    print(tables(result))
+    print("\n".join(goals(result)))
+    if not args.no_report:
+        write_report(result, command)
+        say("wrote bench/results/ttft_*.png and the BENCHMARKS.md section")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
