@@ -82,6 +82,13 @@ def data_offset_for(header_bytes: int) -> int:
     return -(-(PREAMBLE_BYTES + header_bytes) // ALIGN_BYTES) * ALIGN_BYTES
 
 
+def segment_object_bytes(geometry: CacheGeometry, fingerprint: str, tenant: str, blocks: int) -> int:
+    """Upper bound of a segment object's size (what the byte budget is charged before writing):
+    data plus a header bound (hashes, checksums, names, msgpack framing)."""
+    header = 512 + len(fingerprint.encode()) + len(tenant.encode()) + blocks * (HASH_BYTES + 8 * geometry.num_layers)
+    return data_offset_for(header) + blocks * geometry.num_layers * geometry.block_bytes
+
+
 def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
                    layers: Sequence[np.ndarray]) -> tuple[bytes, int]:
     """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, latent_dim)."""

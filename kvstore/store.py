@@ -12,14 +12,13 @@ from redis.exceptions import RedisError
 
 from .capacity import Capacity
 from .geometry import CacheGeometry
-from .hashing import HASH_BYTES
 from .index import PrefixIndex
 from .ledger import SegmentRecord, VolumeLedger
 from .location import BlockLocation, Hit
 from .prefetch import Prefetch
 from .reader import MiB, SegmentReader
 from .retention import RetentionPolicy
-from .segment import data_offset_for, encode_segment
+from .segment import encode_segment, segment_object_bytes
 from .volume import Volume
 
 log = logging.getLogger(__name__)
@@ -173,10 +172,7 @@ class BlockStore(SegmentReader):
         return new
 
     def _segment_bytes(self, blocks: int, tenant: str) -> int:
-        """Bytes of a segment object: data plus an upper bound of its header (checksums, hashes)."""
-        g = self.geometry
-        header = 512 + len(self.fingerprint) + len(tenant) + blocks * (HASH_BYTES + 8 * g.num_layers)
-        return data_offset_for(header) + blocks * g.num_layers * g.block_bytes
+        return segment_object_bytes(self.geometry, self.fingerprint, tenant, blocks)
 
     async def _place(self, sizes: list[int]) -> list[Volume]:
         """A volume per segment: least used first (round-robin among equals), making room if needed."""
