@@ -173,6 +173,12 @@ async def test_bad_requests_are_clear_4xx_and_write_nothing(service):
     assert r.status_code == 409 and r.json()["field"] == "geometry"
     r = post("/v1/segments", msgpack.packb(good | {"retention": "forever"}))
     assert r.status_code == 400 and "retention" in r.json()["error"]
+    r = post("/v1/segments", msgpack.packb(good | {"ttl_s": "forever"}))
+    assert r.status_code == 400 and r.json()["field"] == "ttl_s"
+    r = post("/v1/segments", msgpack.packb(good | {"ttl_s": 10 ** 9}))
+    assert r.status_code == 400 and "ttl_s" in r.json()["error"]
+    r = post("/v1/segments", msgpack.packb(good | {"start_block": 2}))
+    assert r.status_code == 400 and r.json()["field"] == "start_block"
     r = post("/v1/segments", b"\0" * (5 << 20))
     assert r.status_code == 413 and "too large" in r.json()["error"]
     read = {"fingerprint": FP, "geometry": GEOMETRY.as_dict(), "root": hashes[0], "hashes": hashes[:1], "layer": 0}
@@ -183,6 +189,8 @@ async def test_bad_requests_are_clear_4xx_and_write_nothing(service):
     volume = requests.get(url + "/admin/volumes", headers={"Authorization": f"Bearer {TOKEN}"}).json()["volumes"][0]["id"]
     r = post("/v1/read", msgpack.packb(read | {"runs": [[volume, "ab" * 16, 0, 1, 1, 4096]]}))
     assert r.status_code == 404 and "unknown segment" in r.json()["error"]
+    r = post("/v1/read", msgpack.packb(read | {"runs": [[volume, "ab" * 16, 0, 2, 2, 4096]]}))
+    assert r.status_code == 400 and r.json()["field"] == "runs"
     r = post("/v1/read", msgpack.packb(read | {"runs": [[volume, "ab" * 16, 0, 1, 1, 4096]], "layer": 99}))
     assert r.status_code == 400 and r.json()["field"] == "layer"
     assert requests.delete(url + "/v1/segments/..%2F..%2Fetc").status_code in (400, 404)
