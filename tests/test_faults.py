@@ -85,27 +85,28 @@ def test_a_slow_link_to_the_kvstore_makes_the_engine_recompute_past_its_deadline
     wait_for_saves(stack)
     _, hit_text, hit = streamed(stack, content)  # a fast hit (also compiles the hit path's shapes)
     assert hit.prompt_cache_hit_tokens > 0 and hit_text == miss_text
-    miss_ttfts = []
-    for i in range(2):
+    wait_for_saves(stack)
+    deadline_fallbacks = engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}')
+    # Two cores shared with other work: timings are noisy, so compare the best of three interleaved pairs.
+    miss_ttfts, slow_ttfts = [], []
+    for i in range(3):
         ttft, _, usage = streamed(stack, prompt(f"slow-miss-{i}", words))
         assert usage.prompt_cache_hit_tokens == 0
         miss_ttfts.append(ttft)
-    wait_for_saves(stack)
-    deadline_fallbacks = engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}')
-
-    stack.link.slow(60.0)  # every response from the kvstore held a minute: far past any deadline
-    try:
-        slow_ttft, slow_text, slow = streamed(stack, content, timeout_s=60)
-    finally:
-        stack.link.fast()
+        stack.link.slow(60.0)  # every response from the kvstore held a minute: far past any deadline
+        try:
+            ttft, slow_text, slow = streamed(stack, content, timeout_s=60)
+        finally:
+            stack.link.fast()
+        slow_ttfts.append(ttft)
+        assert slow_text == miss_text
+        assert slow.prompt_cache_hit_tokens == 0  # nothing was loaded: the whole prompt was recomputed
+        wait_for_saves(stack)  # the fallback saved the prefix again; the next slow hit finds it
     rates = [admin_json(stack, url + "/admin/stats")["prefill_tokens_per_s"] for url in stack.engine_urls]
     budget_s = max(0.5, slow.prompt_tokens / min(rates))
-    print(f"miss TTFT {miss_ttfts}, slow-link hit TTFT {slow_ttft:.2f} s, deadline <= {budget_s:.2f} s")
-    assert slow_text == miss_text
-    assert slow.prompt_cache_hit_tokens == 0  # nothing was loaded: the whole prompt was recomputed
-    assert engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}') == deadline_fallbacks + 1
-    assert slow_ttft < 2 * min(miss_ttfts) + 0.5
-    wait_for_saves(stack)
+    print(f"miss TTFT {miss_ttfts}, slow-link hit TTFT {slow_ttfts}, deadline <= {budget_s:.2f} s")
+    assert engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}') == deadline_fallbacks + 3
+    assert min(slow_ttfts) < 2 * min(miss_ttfts) + 0.5
 
 
 def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):
