@@ -21,6 +21,8 @@ from .metrics import StoreCollector
 
 log = logging.getLogger(__name__)
 
+SAVE_FIELDS = {"hashes", "start_block", "tenant", "retention", "ttl_s", "layers"}
+
 STORE = web.AppKey("store", BlockStore)
 CONFIG = web.AppKey("config", KvstoreConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
@@ -98,8 +100,10 @@ async def save_segments(request: web.Request) -> web.Response:
     try:
         result = await store.save(save.hashes, save.layers, start_block=save.start_block, tenant=save.tenant,
                                   retention=save.retention, ttl_s=save.ttl_s)
-    except ValueError as e:
-        raise RequestError(400, str(e), str(e).split(" ", 1)[0]) from None
+    except ValueError as e:  # the store names the argument first, e.g. "ttl_s must be ..."
+        named = str(e).split(" ", 1)[0]
+        field = named if named.split("[", 1)[0] in SAVE_FIELDS else None
+        raise RequestError(400, str(e), field) from None
     except SegmentWriteError as e:
         log.error("save failed: %s", e)
         raise RequestError(503, f"could not store the segment: {e}") from None
