@@ -59,6 +59,21 @@ def _finish(graphdef, state, x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, 
     return nnx.merge(graphdef, state).finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
 
 
+@partial(jax.jit, static_argnums=(0, 1, 7, 8), donate_argnums=(5,))
+def _decode(layer_defs, head_def, embed_VD, layer_states, head_state, caches, token, view, absorbed, start):
+    """One decode step through every layer in a single dispatch: (logits (V,), new caches)."""
+    x_TD = jnp.take(embed_VD, token[None], axis=0)  # (1, D)
+    positions_T = start[None]
+    out = []
+    for graphdef, state, cache_SA in zip(layer_defs, layer_states, caches):
+        layer = nnx.merge(graphdef, state)
+        q_nope_NTH, q_pe_NTR, cache_SA = layer.project(x_TD, positions_T, cache_SA, start)
+        expanded = None if absorbed else layer.attn.expand(cache_SA, view, x_TD.dtype)
+        x_TD = layer.finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
+        out.append(cache_SA)
+    return nnx.merge(head_def, head_state)(x_TD, 0), out
+
+
 @partial(jax.jit, static_argnums=(0,))
 def _head(graphdef, state, x_TD, index):
     return nnx.merge(graphdef, state)(x_TD, index)
@@ -212,7 +227,18 @@ class ModelRunner:
         return Prefill(np.asarray(self.logits(chunks[-1], (n - 1) - (count - 1) * T)), cache)
 
     def decode_step(self, token: int, cache: LatentCache) -> np.ndarray:
-        return self.prefill([token], cache, start=cache.length).logits
+        """Logits after feeding one token at position cache.length (whole model, one dispatch)."""
+        self.check_tokens(np.asarray([token]), cache.length)
+        cache.reserve(cache.length + 2)
+        view = self._view(cache, cache.length + 1)
+        absorbed = self.attention != "expanded"
+        layer_defs = tuple(graphdef for graphdef, _ in self.layers)
+        logits, buffers = _decode(layer_defs, self.head[0], self.embed_VD, [state for _, state in self.layers],
+                                  self.head[1], cache.layers, jnp.int32(token), view, absorbed,
+                                  jnp.int32(cache.length))
+        cache.layers = list(buffers)
+        cache.length += 1
+        return np.asarray(logits)
 
     def generate(self, prompt: np.ndarray | list[int], params: SamplingParams, cache: LatentCache | None = None,
                  start: int = 0, load_prefix: LayerLoader | None = None) -> Iterator[int]:

@@ -60,7 +60,7 @@ def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
     """An instance of dataclass `cls` from `argv` (default sys.argv[1:]) and `env` (default os.environ)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__, allow_abbrev=False)
     fields = dataclasses.fields(cls)
     for f in fields:
         kind = hints[f.name]
