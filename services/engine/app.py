@@ -168,7 +168,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                       headers={"Retry-After": "2"})
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return _error(400, "the body is not valid JSON")
     try:
         job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens, state.loaded.config.vocab_size)
