@@ -57,8 +57,18 @@ def parse_json_body(raw: bytes) -> dict:
     def reject_constant(name: str) -> None:
         raise ValueError(f"{name} is not valid JSON")
     try:
-        body = json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, UnicodeDecodeError):
+        # Strict UTF-8 (RFC 8259): json.loads(bytes) decodes with surrogatepass, which lets
+        # UTF-8-encoded surrogates (invalid UTF-8) through as text.
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte order mark may be ignored
+    except UnicodeDecodeError as error:
+        raise invalid(None, f"The request body is not valid UTF-8 (byte {error.start}).",
+                      code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=reject_constant)
+    except RecursionError:  # deeply nested arrays or objects; a 500 otherwise
+        raise invalid(None, "The JSON body of your request is nested too deeply.",
+                      code="invalid_json") from None
+    except ValueError:
         raise invalid(None, "We could not parse the JSON body of your request. The body must be "
                             "a JSON object.", code="invalid_json") from None
     if not isinstance(body, dict):
