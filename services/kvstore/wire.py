@@ -39,6 +39,8 @@ class ReadRequest(NamedTuple):
 def unpack(body: bytes) -> dict[str, Any]:
     try:
         message = msgpack.unpackb(body, raw=False)
+    except msgpack.StackError:  # its message is empty
+        raise RequestError(400, "body is not valid msgpack: nested too deeply", "body") from None
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise RequestError(400, f"body is not valid msgpack: {e}", "body") from None
     if not isinstance(message, dict):
