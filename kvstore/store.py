@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Sequence
 
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 READ_AHEAD_LAYERS = 4   # layers in flight per prefetch (kv_bench: more in flight reads faster, cold and warm)
 IO_THREADS = 8          # volume reads and checksums; mostly waiting on I/O or copying with the GIL released
+# A volume whose write failed (full, read-only, gone) gets no new segments for this long, unless no
+# volume is left: its ledger usage stops growing, so "least used" would otherwise pick it every time.
+WRITE_FAILURE_REST_S = 30.0
 
 
 class SaveResult(NamedTuple):
@@ -77,6 +81,7 @@ class BlockStore(SegmentReader):
         self.read_ahead = read_ahead
         self.capacity = Capacity(self, budget_bytes, reader_grace_s)
         self._next_volume = 0
+        self._resting_until: dict[str, float] = {}  # volume id -> monotonic time; a write failed there
         self._background: set[asyncio.Task] = set()
 
     @classmethod
@@ -175,11 +180,14 @@ class BlockStore(SegmentReader):
         return segment_object_bytes(self.geometry, self.fingerprint, tenant, blocks)
 
     async def _place(self, sizes: list[int]) -> list[Volume]:
-        """A volume per segment: least used first (round-robin among equals), making room if needed."""
+        """A volume per segment: least used first (round-robin among equals), making room if needed;
+        volumes whose last write failed recently only when every volume's did."""
         used = await self.ledger.used(list(self.volumes))
+        now = time.monotonic()
+        writable = [v for v in self.volumes if self._resting_until.get(v, 0.0) <= now]
         chosen = []
         for size in sizes:
-            order = list(self.volumes)
+            order = writable or list(self.volumes)
             order = order[self._next_volume % len(order):] + order[:self._next_volume % len(order)]
             self._next_volume += 1
             vid = min(order, key=lambda v: used[v])
@@ -194,7 +202,12 @@ class BlockStore(SegmentReader):
         segment = secrets.token_hex(16)
         payload, offset = await asyncio.get_running_loop().run_in_executor(
             self._pool, encode_segment, self.fingerprint, self.geometry, tenant, hashes, layers)
-        await volume.write(segment, payload)
+        try:
+            await volume.write(segment, payload)
+        except Exception:
+            self._resting_until[volume.id] = time.monotonic() + WRITE_FAILURE_REST_S
+            log.warning("volume %s failed a write; no new segments there for %.0f s", volume.name, WRITE_FAILURE_REST_S)
+            raise
         return _Written(volume, segment, first, len(hashes), offset, len(payload))
 
     # ---- read -------------------------------------------------------------------------------
