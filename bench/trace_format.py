@@ -9,6 +9,7 @@ key of its own (negative), so answers count toward capacity and never hit.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -46,14 +47,23 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> li
 
 
 def prompt_block_keys(request: TraceRequest, hash_tokens: int, block_tokens: int) -> list[int]:
-    """Keys of the prompt's full blocks of `block_tokens` (a partial tail is not a block)."""
-    if hash_tokens % block_tokens:
-        raise ValueError(f"hash_tokens ({hash_tokens}) must be a multiple of block_tokens ({block_tokens})")
-    per = hash_tokens // block_tokens
+    """Keys of the prompt's full blocks of `block_tokens` (a partial tail is not a block).
+
+    A hash id of several blocks: block j of id h is h * per + j. A block of several hash ids (a
+    scaled-down trace): the last id it covers, which names the whole prefix (ids are chained)."""
     if request.input_length > len(request.hash_ids) * hash_tokens:
         raise ValueError(f"input_length {request.input_length} exceeds {len(request.hash_ids)} hash ids "
                          f"of {hash_tokens} tokens")
-    return [request.hash_ids[k // per] * per + k % per for k in range(request.input_length // block_tokens)]
+    blocks = request.input_length // block_tokens
+    if hash_tokens >= block_tokens:
+        if hash_tokens % block_tokens:
+            raise ValueError(f"hash_tokens ({hash_tokens}) must be a multiple of block_tokens ({block_tokens})")
+        per = hash_tokens // block_tokens
+        return [request.hash_ids[k // per] * per + k % per for k in range(blocks)]
+    if block_tokens % hash_tokens:
+        raise ValueError(f"block_tokens ({block_tokens}) must be a multiple of hash_tokens ({hash_tokens})")
+    ids = block_tokens // hash_tokens
+    return [request.hash_ids[(k + 1) * ids - 1] for k in range(blocks)]
 
 
 def scale_request(request: TraceRequest, factor: int) -> TraceRequest:
@@ -73,3 +83,19 @@ def prompt_token_ids(request: TraceRequest, hash_tokens: int, vocab: tuple[int, 
     runs: Sequence[np.ndarray] = [np.random.default_rng(h).integers(vocab[0], vocab[1], hash_tokens)
                                   for h in request.hash_ids]
     return np.concatenate(runs)[:request.input_length].tolist()
+
+
+def session_slice(requests: Sequence[TraceRequest], sessions: int, min_turns: int = 1) -> list[TraceRequest]:
+    """Every request of the first `sessions` sessions with at least `min_turns` requests, in trace
+    order. A session is the requests sharing their first two hash ids (a conversation whose first
+    prompt is over one hash id long); a one-id request is a session of its own."""
+    turns = Counter(r.hash_ids[:2] for r in requests)
+    chosen: set[tuple[int, ...]] = set()
+    picked = []
+    for request in requests:
+        key = request.hash_ids[:2]
+        if key not in chosen and len(chosen) < sessions and turns[key] >= min_turns:
+            chosen.add(key)
+        if key in chosen:
+            picked.append(request)
+    return picked

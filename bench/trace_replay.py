@@ -53,31 +53,68 @@ def capacity_budget(capacity_tokens: int | None, geometry: CacheGeometry, volume
     return capacity_tokens * geometry.num_layers * geometry.row_bytes // volumes
 
 
+class _Replay:
+    """One request's three steps (lookup, prompt save, answer save) against a StoreModel."""
+
+    def __init__(self, store: StoreModel, hash_tokens: int) -> None:
+        self.store = store
+        self.hash_tokens = hash_tokens
+        self.answer_key = -1
+        self.saved = 0
+
+    def lookup(self, request: TraceRequest) -> tuple[list[int], int]:
+        B = self.store.geometry.block_tokens
+        keys = prompt_block_keys(request, self.hash_tokens, B)
+        hit_blocks, segments = self.store.lookup(keys[:max(0, (request.input_length - 1) // B)])
+        self.store.touch(segments)
+        return keys, hit_blocks
+
+    def save_prompt(self, keys: list[int], hit_blocks: int) -> None:
+        self.saved += self.store.save(keys, hit_blocks)
+
+    def save_answer(self, request: TraceRequest, keys: list[int]) -> None:
+        history_blocks = (request.input_length + request.output_length - 1) // self.store.geometry.block_tokens
+        if history_blocks > len(keys):
+            answer = list(range(self.answer_key, self.answer_key - (history_blocks - len(keys)), -1))
+            self.answer_key -= len(answer)
+            self.saved += self.store.save(keys + answer, len(keys))
+
+    def result(self, requests: Sequence[TraceRequest], hit_blocks: Sequence[int]) -> ReplayResult:
+        B, store = self.store.geometry.block_tokens, self.store
+        return ReplayResult(len(requests), sum(r.input_length for r in requests), sum(hit_blocks) * B,
+                            sum(h > 0 for h in hit_blocks), self.saved, store.evictions, store.failed_saves,
+                            store.live_blocks(), dict(store.segment_sizes), [h * B for h in hit_blocks])
+
+
 def replay(requests: Iterable[TraceRequest], store: StoreModel, hash_tokens: int) -> ReplayResult:
     """Runs `requests` through `store` (fresh or warm) under the rules above."""
-    B = store.geometry.block_tokens
-    answer_key = -1
-    count = inputs = hits = hit_requests = saved = 0
-    per_request = []
+    steps, done, hits = _Replay(store, hash_tokens), [], []
     for request in requests:
-        keys = prompt_block_keys(request, hash_tokens, B)
-        usable = max(0, (request.input_length - 1) // B)
-        hit_blocks, segments = store.lookup(keys[:usable])
-        store.touch(segments)
-        saved += store.save(keys, hit_blocks)
-        history_blocks = (request.input_length + request.output_length - 1) // B
-        answer_start = max(hit_blocks, len(keys))
-        if history_blocks > answer_start:
-            answer = list(range(answer_key, answer_key - (history_blocks - len(keys)), -1))
-            answer_key -= len(answer)
-            saved += store.save(keys + answer, answer_start)
-        count += 1
-        inputs += request.input_length
-        hits += hit_blocks * B
-        hit_requests += hit_blocks > 0
-        per_request.append(hit_blocks * B)
-    return ReplayResult(count, inputs, hits, hit_requests, saved, store.evictions, store.failed_saves,
-                        store.live_blocks(), dict(store.segment_sizes), per_request)
+        keys, hit_blocks = steps.lookup(request)
+        steps.save_prompt(keys, hit_blocks)
+        steps.save_answer(request, keys)
+        done.append(request)
+        hits.append(hit_blocks)
+    return steps.result(done, hits)
+
+
+def replay_timed(requests: Sequence[TraceRequest], store: StoreModel, hash_tokens: int,
+                 times: Sequence[tuple[float, float, float]]) -> ReplayResult:
+    """Like replay(), but each request's lookup, prompt save and answer save happen at the given
+    times (seconds; e.g. arrival, first token, end of a live run), so a save still in flight when a
+    later request looks up is not there yet."""
+    steps = _Replay(store, hash_tokens)
+    events = sorted((t, step, i) for i, triple in enumerate(times) for step, t in enumerate(triple))
+    keys: dict[int, list[int]] = {}
+    hits = [0] * len(requests)
+    for _, step, i in events:
+        if step == 0:
+            keys[i], hits[i] = steps.lookup(requests[i])
+        elif step == 1:
+            steps.save_prompt(keys[i], hits[i])
+        else:
+            steps.save_answer(requests[i], keys[i])
+    return steps.result(requests, hits)
 
 
 def trace_ceiling(requests: Sequence[TraceRequest], hash_tokens: int) -> tuple[int, int]:

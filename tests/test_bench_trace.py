@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench.trace_format import TraceRequest, load_trace, prompt_block_keys, prompt_token_ids, scale_request
-from bench.trace_replay import capacity_budget, replay, trace_ceiling
+from bench.trace_replay import capacity_budget, replay, replay_timed, trace_ceiling
 from bench.trace_store_model import StoreModel, segment_bytes
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, block_hashes, open_redis
 
@@ -162,3 +162,41 @@ async def test_model_matches_the_real_block_store(tmp_path, redis_url):
     finally:
         await store.close()
         await client.aclose()
+
+
+# ---- the whole benchmark ---------------------------------------------------------------------------
+
+def test_timed_replay_sees_only_saves_that_landed():
+    trace = [req([1, 11], 5), req([1, 11], 5), req([1, 11], 5)]
+    # Request 0's prompt save lands at 2.0 s: request 1 (looking up at 1.0 s) misses, request 2 hits.
+    times = [(0.0, 2.0, 3.0), (1.0, 4.0, 5.0), (2.5, 6.0, 7.0)]
+    result = replay_timed(trace, StoreModel(G), H, times)
+    assert result.per_request_hits == [0, 0, 4]
+
+
+def test_index_level_on_a_small_trace(tmp_path):
+    from bench.trace_bench import build_parser, index_level
+
+    path = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1000, "input_length": 1600, "output_length": 10, "hash_ids": [0, 1, 2, 3]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = build_parser().parse_args(["--trace", str(path), "--capacities", "100k", "inf", "--no-live", "--quiet"])
+    index = index_level(args)
+    # Request 1 shares ids 0, 1 and 2 (1,100 tokens, 2 full ids + 76 tokens): the ceiling counts
+    # 512 + 512 + 512 (id 2 is full in request 1); DeepInfer hits the 17 full blocks request 0 saved.
+    assert index["ceiling"]["hit_tokens"] == 1536
+    assert [r["hit_tokens"] for r in index["capacity"]] == [17 * 64, 17 * 64]
+    assert index["capacity"][0]["bytes"]["deepseek-v3"]["read_bytes_per_hit_token"] == 61 * 1152
+
+
+def test_live_replay_through_a_real_stack_matches_the_timed_model():
+    from bench.trace_bench import build_parser, live
+
+    args = build_parser().parse_args(["--sessions", "1", "--min-turns", "4", "--time-scale", "100",
+                                      "--max-output", "2", "--quiet"])
+    result = live(args)
+    assert result["errors"] == 0 and result["requests"] == 4
+    assert result["hit_ratio"] > 0
+    assert result["requests_matching_timed_prediction"] == 4
+    assert result["ttft"]["all"]["p50_s"] > 0
