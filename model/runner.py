@@ -1,8 +1,8 @@
 """Runs the model over a latent cache: chunked prefill (on top of cached prefix latents), layer by layer.
 
-Shapes never follow the prompt length: chunks are padded to power-of-two token buckets, cache buffers
-grow in powers of two, and attention reads a power-of-two view of the cache, so every prompt length
-reuses a handful of compiled layer functions (also kept in the persistent compilation cache).
+Shapes never follow the prompt length: chunks are padded to power-of-two token buckets, and cache
+buffers and the cache views attention reads are bucketed (eighths of a power of two), so every prompt
+length reuses a handful of compiled layer functions (also kept in the persistent compilation cache).
 """
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def enable_compilation_cache(path: str | None = None) -> None:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket(n: int) -> int:
+    """Rows of a cache buffer or view holding n: steps of an eighth of the enclosing power of two (at
+    least MIN_VIEW), so a shape wastes at most ~12% while each octave has at most 8 compiled shapes."""
+    step = max(MIN_VIEW, _pow2(n) // 8)
+    return -(-max(n, 1) // step) * step
 
 
 @jax.jit
@@ -94,13 +101,13 @@ class LatentCache:
 
     def __init__(self, cfg: ModelConfig, capacity: int = MIN_VIEW):
         self.cfg = cfg
-        self.capacity = _pow2(max(capacity, MIN_VIEW))
+        self.capacity = bucket(capacity)
         self.layers = [jnp.zeros((self.capacity, cfg.latent_dim), cfg.cache_dtype) for _ in range(cfg.num_layers)]
         self.length = 0
 
     def reserve(self, tokens: int) -> None:
         if tokens > self.capacity:
-            self.capacity = _pow2(tokens)
+            self.capacity = bucket(tokens)
             self.layers = [_grow(buf, self.capacity) for buf in self.layers]
 
     def place_prefix(self, layer: int, latents_PA: np.ndarray | jax.Array) -> None:
@@ -154,7 +161,7 @@ class ModelRunner:
 
     def chunk_size(self, total: int) -> int:
         """Largest power-of-two chunk whose fp32 attention scores (T, N, view) fit the budget."""
-        view = _pow2(max(total, MIN_VIEW))
+        view = bucket(total)
         per_token = self.cfg.num_heads * view * 4 * 3  # scores, exp, probs
         fit = max(MIN_CHUNK, self.attention_budget_bytes // per_token)
         return min(self.chunk_tokens, 1 << (fit.bit_length() - 1))
@@ -189,8 +196,8 @@ class ModelRunner:
 
     @staticmethod
     def _view(cache: LatentCache, end: int) -> int:
-        """Power-of-two count of cache rows a query chunk ending at `end` attends over."""
-        return min(cache.capacity, _pow2(max(end, MIN_VIEW)))
+        """Cache rows a query chunk ending at `end` attends over (bucketed, so shapes repeat)."""
+        return min(cache.capacity, bucket(end))
 
     def logits(self, x_TD: jax.Array, index: int) -> jax.Array:
         graphdef, state = self.head
