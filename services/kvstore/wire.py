@@ -36,13 +36,17 @@ class ReadRequest(NamedTuple):
     layer: int
 
 
+# msgpack errors whose message is empty
+_UNEXPLAINED = {msgpack.StackError: "nested too deeply",
+                msgpack.FormatError: "a byte that starts no msgpack type (e.g. 0xc1)"}
+
+
 def unpack(body: bytes) -> dict[str, Any]:
     try:
         message = msgpack.unpackb(body, raw=False)
-    except msgpack.StackError:  # its message is empty
-        raise RequestError(400, "body is not valid msgpack: nested too deeply", "body") from None
     except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise RequestError(400, f"body is not valid msgpack: {e}", "body") from None
+        detail = str(e) or _UNEXPLAINED.get(type(e), type(e).__name__)
+        raise RequestError(400, f"body is not valid msgpack: {detail}", "body") from None
     if not isinstance(message, dict):
         raise RequestError(400, "body must be a msgpack map", "body")
     return message
