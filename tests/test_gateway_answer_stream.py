@@ -98,3 +98,11 @@ def test_response_bodies_match_the_openapi_document():
     validator("ModelList").validate(models_list("deepseek-chat", 0))
     with pytest.raises(jsonschema.ValidationError):
         validator("Usage").validate({**usage.body(), "extra": 1})
+
+
+async def test_stop_string_early_uses_the_count_the_engine_reported_with_its_first_token(tokenizer):
+    ids = tokenizer.encode_text("answer: 42\nEND of text that must not appear")
+    # The index promised 128 tokens, but a block failed verification and the engine loaded 64.
+    events = [TokenEvent(ids[0], cached_tokens=64)] + [TokenEvent(i) for i in ids[1:]]
+    _, end = await collect(tokenizer, events, stops=("\nEND",), hit_tokens=128)
+    assert end.stopped_by_string and end.cached_tokens == 64

@@ -131,7 +131,7 @@ class Generator:
             if token in stops:
                 finish = "stop"
                 break
-            yield {"type": "token", "id": token}
+            yield {"type": "token", "id": token} if produced else {"type": "token", "id": token, "cached_tokens": loaded}
             produced += 1
             if produced == 1:
                 saved_blocks = await self._save_new_blocks(job, cache, job.tokens, saved_blocks)

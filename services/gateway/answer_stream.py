@@ -31,6 +31,7 @@ async def answer_events(generation: Generation, prompt_tokens: int, tokenizer: D
     token_ids: list[int] = []
     done: DoneEvent | None = None
     stopped = False
+    loaded: int | None = None  # what the engine reported loading, with its first token
 
     async def events():
         yield generation.first
@@ -42,6 +43,8 @@ async def answer_events(generation: Generation, prompt_tokens: int, tokenizer: D
             done = event
             break
         token_ids.append(event.token_id)
+        if event.cached_tokens is not None:
+            loaded = event.cached_tokens
         scan = matcher.push(detokenizer.push(event.token_id))
         if scan.text:
             yield AnswerDelta(scan.text)
@@ -63,9 +66,9 @@ async def answer_events(generation: Generation, prompt_tokens: int, tokenizer: D
         finish_reason="stop" if stopped else done.finish_reason,
         prompt_tokens=done.prompt_tokens if done else prompt_tokens,
         completion_tokens=received,
-        # Without a done event (stopped early) the engine's count is unknown; the index's is
-        # the best estimate. The engine may load fewer if a block fails verification.
-        cached_tokens=done.cached_tokens if done else generation.hit_tokens,
+        # Without a done event (stopped early) the first token's count is the engine's; only an
+        # engine that reports none leaves the index's estimate (it may load fewer after a bad block).
+        cached_tokens=done.cached_tokens if done else loaded if loaded is not None else generation.hit_tokens,
         token_ids=token_ids,
         stopped_by_string=stopped,
     )

@@ -17,6 +17,7 @@ import aiohttp
 
 class TokenEvent(NamedTuple):
     token_id: int
+    cached_tokens: int | None = None  # on the first token: prompt tokens the engine really loaded
 
 
 class DoneEvent(NamedTuple):
@@ -115,7 +116,8 @@ class EngineClient:
                 event = json.loads(line)
                 kind = event.get("type")
                 if kind == "token":
-                    yield TokenEvent(int(event["id"]))
+                    cached = event.get("cached_tokens")
+                    yield TokenEvent(int(event["id"]), None if cached is None else int(cached))
                 elif kind == "done":
                     yield DoneEvent(event["finish_reason"], int(event["prompt_tokens"]),
                                     int(event["cached_tokens"]), event.get("timing") or {})
