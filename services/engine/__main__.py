@@ -10,7 +10,10 @@ from services.engine.config import load
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    # force: importing orbax already ran absl's logging.basicConfig(), which would make this one a
+    # no-op and leave the root logger at WARNING (no "engine ready", no warm-up rate in the log).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
+                        force=True)
     try:
         cfg = load(argv)
     except ConfigError as error:
