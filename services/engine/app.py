@@ -222,7 +222,9 @@ def build_app(cfg: EngineConfig) -> web.Application:
     async def on_startup(_: web.Application) -> None:
         app["loader"] = asyncio.create_task(state.start())
 
-    async def on_shutdown(_: web.Application) -> None:
+    async def on_cleanup(_: web.Application) -> None:
+        # Cleanup, not shutdown: aiohttp runs shutdown hooks before it waits for in-flight requests,
+        # so stopping the store there failed their saves (and reads); cleanup comes after them.
         app["loader"].cancel()
         await state.stop()
 
@@ -232,5 +234,5 @@ def build_app(cfg: EngineConfig) -> web.Application:
     app.router.add_get("/admin/stats", admin_stats)
     add_metrics_route(app, state.metrics.registry)
     app.on_startup.append(on_startup)
-    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
     return app
