@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -16,8 +17,8 @@ from openai import APIError, APIStatusError, AsyncOpenAI
 from kvstore.segment import decode_header
 from services.launcher import StackConfig
 from tests.conftest import free_port
-from tests.fault_stack import (FaultStack, SlowLink, admin_json, admin_post, audit_index, chat, engines_metric,
-                               metric, prompt, segment_files, streamed, wait_for_saves)
+from tests.fault_stack import (B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat, client,
+                               engines_metric, free_ports, metric, prompt, segment_files, streamed, wait_for_saves)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +33,7 @@ def stack(tmp_path_factory):
     kvstore_port = free_port()
     link = SlowLink(kvstore_port).start()
     cfg = StackConfig(preset="tiny", data_dir=str(data), engines=2, remote_cache=True, gateway_port=free_port(),
-                      kvstore_port=kvstore_port, engine_port=free_port(), redis_port=free_port(),
+                      kvstore_port=kvstore_port, engine_port=free_ports(2), redis_port=free_port(),
                       ready_timeout_s=400)
     running = FaultStack(cfg, link).start()
     yield running
@@ -289,39 +290,51 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
         await asyncio.to_thread(stack.restart, "engine0")
 
 
-def test_sigterm_lets_in_flight_requests_finish_and_leaves_no_torn_entry(stack):
+def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_entry(stack):
+    """On an engine that mounts the volumes itself (the launcher's default mode), then the gateway."""
     results = {}
 
     def ask(name, content, max_tokens):
         results[name] = streamed(stack, content, max_tokens, timeout_s=120)
 
-    import threading
-    long = threading.Thread(target=ask, args=("engine", prompt("sigterm-engine"), 400))
-    long.start()
-    deadline = time.monotonic() + 60
-    while not any(admin_json(stack, u + "/admin/stats")["in_flight"] for u in stack.engine_urls):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    busy = next(i for i, u in enumerate(stack.engine_urls) if admin_json(stack, u + "/admin/stats")["in_flight"])
-    time.sleep(0.5)
-    began = time.monotonic()
+    args = stack.commands["engine0"][1]
+    at = args.index("--kvstore-url")
+    mounted = args[:at] + ["--redis-url", stack.redis_url] + args[at + 2:]
+    mounted += [arg for volume in stack.volume_args for arg in ("--volume", volume)]
+    stack.restart("engine0", mounted)
+    content = prompt("sigterm-engine")
     try:
-        assert stack.kill(f"engine{busy}", signal.SIGTERM, wait_s=60) == 0
-        long.join(60)
-        print(f"engine{busy} exited {time.monotonic() - began:.1f} s after SIGTERM")
+        asking = threading.Thread(target=ask, args=("engine", content, 400))
+        asking.start()  # both engines idle: engine0 (the first of equals) takes it
+        deadline = time.monotonic() + 60
+        while not admin_json(stack, stack.engine_urls[0] + "/admin/stats")["in_flight"]:
+            assert time.monotonic() < deadline, "the request never reached engine0"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        began = time.monotonic()
+        assert stack.kill("engine0", signal.SIGTERM, wait_s=60) == 0  # exits cleanly once drained
+        asking.join(60)
+        print(f"engine0 exited {time.monotonic() - began:.1f} s after SIGTERM")
         _, text, usage = results["engine"]
         assert usage.completion_tokens == 400  # the in-flight request finished in full
         assert asyncio.run(audit_index(stack, stack.volume_args)) > 0
     finally:
-        stack.restart(f"engine{busy}")
+        stack.restart("engine0")
+    # Its answer's blocks were saved too (the save after the last token was drained, not dropped):
+    # the next turn hits past the prompt, into the answer.
+    next_turn = client(stack).chat.completions.create(
+        model="deepseek-chat", max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": content}, {"role": "assistant", "content": text},
+                  {"role": "user", "content": "Go on."}])
+    assert next_turn.usage.prompt_cache_hit_tokens > usage.prompt_tokens // B * B
 
     # The gateway: SIGTERM with a request in flight; the request still completes.
-    gateway = threading.Thread(target=ask, args=("gateway", prompt("sigterm-gateway"), 300))
-    gateway.start()
+    asking = threading.Thread(target=ask, args=("gateway", prompt("sigterm-gateway"), 300))
+    asking.start()
     time.sleep(1.0)
     try:
         assert stack.kill("gateway", signal.SIGTERM, wait_s=60) == 0
-        gateway.join(60)
+        asking.join(60)
         assert results["gateway"][2].completion_tokens == 300
     finally:
         stack.restart("gateway")
