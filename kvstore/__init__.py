@@ -8,11 +8,12 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
     block_hashes(tokens, fingerprint, tenant_salt, block_tokens=64) -> list[bytes]   # 16 B each
         chained over full blocks: h_i = blake2b(h_{i-1} | context(fingerprint, salt) | int32 tokens)
 
-    open_redis(url, cluster=False) -> redis.asyncio client
+    open_redis(url, cluster=False, timeout_s=5.0) -> redis.asyncio client (Redis or RedisCluster)
     PrefixIndex(client, prefix="dikv")
         await lookup(hashes) -> Hit              # longest leading run, one script call; hits re-arm TTLs
         await publish(root, hashes, locations, tenant, ttl_s)   # only for durable data
         await drop(root, block_hash, segment)    # a bad entry
+        await unpublish_segment(root, segment) -> int; await ping() -> bool
     Hit(root, hashes, runs: tuple[SegmentRun, ...]); .blocks; .locations; .truncated(n)
 
     RetentionPolicy(classes={"chat": 7 d, "agent": 3 d}, min_ttl_s=60, max_ttl_s=30 d)
@@ -37,6 +38,8 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
 
 Cache faults (missing, torn, corrupt or foreign data) never raise from reads: they shorten
 the prefix, drop the bad index entry and count `stats.verification_failures`.
+Retention is per segment: a hit keeps the whole segment alive; eviction retires least recently
+prefetched segments first (index entries first, bytes after `reader_grace_s`).
 
 Storage layout: a save becomes segments of <= max_segment_blocks blocks, each one object on the
 least used volume, stored layer-major (segment.py), so one layer of a prefix is one contiguous
