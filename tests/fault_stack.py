@@ -18,8 +18,12 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from kvstore import BlockStore, CacheGeometry, Hit, PrefixIndex, SegmentRun, open_redis
+from kvstore import BlockStore, CacheGeometry, Hit, PrefixIndex, SegmentRun, block_hashes, open_redis
 from model.weights import read_identity
+from services.gateway.chat_template import ChatMessage, render_chat
+from services.gateway.tenants import PUBLIC_TENANT, tenant_salt
+from services.gateway.token_cache import TokenCache
+from services.gateway.tokenizer import shared_tokenizer
 from services.launcher import Stack, _ready
 from tests.conftest import free_port
 
@@ -252,12 +256,43 @@ def segment_files(volumes: list[str]) -> dict[Path, float]:
     return found
 
 
+def _store_identity(stack: Stack) -> tuple[CacheGeometry, str]:
+    model_cfg, fingerprint = read_identity(stack.data / "models" / stack.cfg.preset)
+    return CacheGeometry(model_cfg.num_layers, model_cfg.latent_dim, B, model_cfg.cache_dtype), fingerprint
+
+
+async def read_saved_prefixes(stack: Stack, volumes: list[str], contents: list[str]) -> list[int]:
+    """For each user message (open-access tenant), what a fresh BlockStore over `volumes` finds in the
+    index and reads back verified: the tokens of the full hit, or 0 for a miss. Raises AssertionError
+    if a hit reads back shorter than the index promised (torn, missing or wrong data)."""
+    geometry, fingerprint = _store_identity(stack)
+    token_cache = TokenCache(shared_tokenizer(), 16 << 20)
+    redis = open_redis(stack.redis_url)
+    index = PrefixIndex(redis)
+    store = await BlockStore.open(volumes, geometry, fingerprint, index, threads=2)
+    try:
+        found = []
+        for content in contents:
+            tokens = render_chat([ChatMessage("user", content)], token_cache)
+            hashes = block_hashes(tokens, fingerprint, tenant_salt(PUBLIC_TENANT), B)[:(len(tokens) - 1) // B]
+            hit = await index.lookup(hashes)
+            prefetch = store.prefetch(hit)
+            valid = await prefetch.valid_tokens()
+            await prefetch.aclose()
+            assert valid == hit.blocks * B, f"the index promised {hit.blocks} blocks, {valid // B} read back verified"
+            found.append(valid)
+        assert store.stats.verification_failures == 0
+        return found
+    finally:
+        await store.close()
+        await redis.aclose()
+
+
 async def audit_index(stack: Stack, volumes: list[str]) -> int:
     """Every block entry of the prefix index names a segment that exists on one of `volumes` and whose
     header and checksums verify for that block in every layer, read by a fresh BlockStore. Returns
     the number of entries checked; raises AssertionError naming the first bad one."""
-    model_cfg, fingerprint = read_identity(stack.data / "models" / stack.cfg.preset)
-    geometry = CacheGeometry(model_cfg.num_layers, model_cfg.latent_dim, B, model_cfg.cache_dtype)
+    geometry, fingerprint = _store_identity(stack)
     redis = open_redis(stack.redis_url)
     store = await BlockStore.open(volumes, geometry, fingerprint, PrefixIndex(redis), threads=2)
     try:

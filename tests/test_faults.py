@@ -18,7 +18,8 @@ from kvstore.segment import decode_header
 from services.launcher import StackConfig
 from tests.conftest import free_port
 from tests.fault_stack import (B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat, client,
-                               engines_metric, free_ports, metric, prompt, segment_files, streamed, wait_for_saves)
+                               engines_metric, free_ports, metric, prompt, read_saved_prefixes, segment_files, streamed,
+                               wait_for_saves)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -147,11 +148,19 @@ async def test_kvstore_killed_mid_saves_leaves_no_torn_entry_and_hits_resume_aft
         model="deepseek-chat", messages=[{"role": "user", "content": c}], max_tokens=8, temperature=0))
         for c in contents]
     try:
+        def saves_pending() -> int:
+            return sum(admin_json(stack, url + "/admin/stats")["pending_saves"] for url in stack.engine_urls)
+
+        # Kill once some saves are published and, if the timing allows, while an engine has one in flight.
         deadline = time.monotonic() + 120
         while await asyncio.to_thread(metric, stack.kvstore_url, SEGMENTS_WRITTEN) < written + 2:
             assert time.monotonic() < deadline, "no saves reached the kvstore"
             await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while not (pending := await asyncio.to_thread(saves_pending)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         stack.kill("kvstore")  # SIGKILL while the other requests' saves are on their way
+        print(f"kvstore killed with {pending} saves in flight on the engines")
         replies = await asyncio.wait_for(asyncio.gather(*requests), 180)
     finally:
         for task in requests:
@@ -166,8 +175,12 @@ async def test_kvstore_killed_mid_saves_leaves_no_torn_entry_and_hits_resume_aft
         for content, answer in [(contents[0], answers[0]), (prompt("kill-during"), None)]:
             text, usage = await asyncio.to_thread(chat, stack, content, 8, 60)
             assert usage.prompt_cache_hit_tokens == 0 and (answer is None or text == answer)
-        # Whatever the kill cut short, every index entry reads back whole and verified.
+        # Whatever the kill cut short, every index entry reads back whole and verified, and each
+        # prompt's prefix is either a full verified hit or a miss.
         assert await audit_index(stack, stack.volume_args) > 0
+        found = await read_saved_prefixes(stack, stack.volume_args, contents)
+        print("tokens of each prompt found saved after the kill:", found)
+        assert any(found)
     finally:
         await asyncio.to_thread(stack.restart, "kvstore")
     await asyncio.to_thread(wait_for_saves, stack)
