@@ -2,7 +2,7 @@
 
     python -m bench.trace_bench            (or: deepinfer bench trace)
       [--trace PATH] [--capacities 1M 3M 10M 50M inf] [--volumes 4]
-      [--sessions 8] [--min-turns 3] [--scale 16] [--time-scale 15] [--max-output 8] [--preset tiny]
+      [--sessions 8] [--min-turns 3] [--scale 16] [--time-scale 6] [--max-output 8] [--preset tiny]
       [--no-live] [--no-report] [--quiet]
 
 1. Index level, the whole trace (seconds, no model): DeepInfer's rules (64-token blocks, one prompt
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import shlex
 import shutil
 import socket
@@ -86,7 +87,9 @@ def capacity_row(tokens: int | None, result: ReplayResult, seconds: float) -> di
             "read_GBps_avg": read / seconds / 1e9, "written_GBps_avg": written / seconds / 1e9}
     return {"capacity_tokens": tokens, "label": capacity_label(tokens), "hit_ratio": result.hit_ratio,
             "hit_tokens": result.hit_tokens, "input_tokens": result.input_tokens,
-            "hit_requests": result.hit_requests, "saved_blocks": result.saved_blocks,
+            "hit_requests": result.hit_requests, "mostly_hit_requests": result.mostly_hit_requests,
+            "stranded_tokens": result.stranded_tokens,
+            "saved_blocks": result.saved_blocks,
             "evictions": result.evictions, "failed_saves": result.failed_saves, "live_blocks": result.live_blocks,
             "bytes": geometries}
 
@@ -177,6 +180,7 @@ def live(args: argparse.Namespace) -> dict:
         begin = time.perf_counter()
         stack.start()
         started_s = time.perf_counter() - begin
+        load_average = os.getloadavg()[0]
         begin = time.perf_counter()
         results = asyncio.run(replay_live(stack.gateway_url, requests, hash_tokens, args.time_scale,
                                           progress=not args.quiet))
@@ -187,7 +191,8 @@ def live(args: argparse.Namespace) -> dict:
     timed = timed_prediction(requests, results, hash_tokens, args.preset, args.volumes)
     summary = summarize_live(results, predicted, timed, wall_s)
     return {"preset": args.preset, "sessions": args.sessions, "min_turns": args.min_turns, "scale": args.scale, "hash_tokens": hash_tokens,
-            "time_scale": args.time_scale, "max_output": args.max_output, "stack_start_s": started_s, **summary}
+            "time_scale": args.time_scale, "max_output": args.max_output, "stack_start_s": started_s,
+            "load_average_at_start": load_average, **summary}
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -207,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-turns", type=int, default=3, help="live: only sessions of at least this many requests")
     parser.add_argument("--scale", type=int, default=16, choices=[1, 2, 4, 8, 16, 32, 64],
                         help="live: a hash id stands for 512/scale tokens (16: two ids per 64-token block)")
-    parser.add_argument("--time-scale", type=float, default=15.0, help="live: arrivals this many times faster")
+    parser.add_argument("--time-scale", type=float, default=6.0, help="live: arrivals this many times faster")
     parser.add_argument("--max-output", type=int, default=8, help="live: answer tokens at most (after scaling)")
     parser.add_argument("--preset", default="tiny", help="live: model preset of the stack")
     parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNGs")

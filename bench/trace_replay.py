@@ -25,12 +25,14 @@ class ReplayResult(NamedTuple):
     input_tokens: int
     hit_tokens: int           # prompt tokens served from the cache
     hit_requests: int         # requests with at least one hit block
+    mostly_hit_requests: int  # requests with at least half of the prompt hit
     saved_blocks: int         # blocks written (prompt and answer)
     evictions: int            # segments evicted for capacity
     failed_saves: int
     live_blocks: int          # blocks held at the end
     segment_sizes: dict[int, int]   # blocks per written segment -> segments
     per_request_hits: list[int]     # hit tokens of each request
+    stranded_tokens: int = 0        # prompt tokens still cached but behind a gap (an evicted block before them)
 
     @property
     def hit_ratio(self) -> float:
@@ -61,12 +63,16 @@ class _Replay:
         self.hash_tokens = hash_tokens
         self.answer_key = -1
         self.saved = 0
+        self.stranded_blocks = 0
 
     def lookup(self, request: TraceRequest) -> tuple[list[int], int]:
         B = self.store.geometry.block_tokens
         keys = prompt_block_keys(request, self.hash_tokens, B)
-        hit_blocks, segments = self.store.lookup(keys[:max(0, (request.input_length - 1) // B)])
+        usable = keys[:max(0, (request.input_length - 1) // B)]
+        hit_blocks, segments = self.store.lookup(usable)
         self.store.touch(segments)
+        index = self.store.index
+        self.stranded_blocks += sum(1 for key in usable[hit_blocks + 1:] if key in index)
         return keys, hit_blocks
 
     def save_prompt(self, keys: list[int], hit_blocks: int) -> None:
@@ -82,8 +88,10 @@ class _Replay:
     def result(self, requests: Sequence[TraceRequest], hit_blocks: Sequence[int]) -> ReplayResult:
         B, store = self.store.geometry.block_tokens, self.store
         return ReplayResult(len(requests), sum(r.input_length for r in requests), sum(hit_blocks) * B,
-                            sum(h > 0 for h in hit_blocks), self.saved, store.evictions, store.failed_saves,
-                            store.live_blocks(), dict(store.segment_sizes), [h * B for h in hit_blocks])
+                            sum(h > 0 for h in hit_blocks),
+                            sum(2 * h * B >= r.input_length for h, r in zip(hit_blocks, requests)), self.saved, store.evictions, store.failed_saves,
+                            store.live_blocks(), dict(store.segment_sizes), [h * B for h in hit_blocks],
+                            self.stranded_blocks * B)
 
 
 def replay(requests: Iterable[TraceRequest], store: StoreModel, hash_tokens: int) -> ReplayResult:

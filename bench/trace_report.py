@@ -21,6 +21,9 @@ def plot_hit_ratio(index: dict) -> None:
     if bounded:
         ax.plot([r["capacity_tokens"] for r in bounded], [100 * r["hit_ratio"] for r in bounded], "o-",
                 label="DeepInfer (LRU-by-last-hit segments, 64-token blocks)")
+        for r in bounded:
+            ax.annotate(f"{r['hit_ratio']:.1%}", (r["capacity_tokens"], 100 * r["hit_ratio"]),
+                        textcoords="offset points", xytext=(6, -12), fontsize=8)
     for r in unbounded:
         ax.axhline(100 * r["hit_ratio"], color="tab:green", ls=":", label=f"DeepInfer, unbounded ({r['hit_ratio']:.1%})")
     ceiling = index["ceiling"]["hit_ratio"]
@@ -84,12 +87,14 @@ def index_section(index: dict) -> str:
     for r in index["capacity"]:
         b = r["bytes"]
         rows.append([r["label"], f"{r['hit_ratio']:.1%}", f"{r['hit_ratio'] / index['ceiling']['hit_ratio']:.0%}",
-                     f"{r['hit_requests']:,}", f"{r['evictions']:,}",
+                     f"{r['mostly_hit_requests']:,}", f"{r['stranded_tokens'] / r['input_tokens']:.1%}",
+                     f"{r['evictions']:,}",
                      f"{_gb(b['mini']['bytes_read'])} / {_gb(b['mini']['bytes_written'])}",
                      f"{_gb(b['deepseek-v3']['bytes_read'])} / {_gb(b['deepseek-v3']['bytes_written'])}",
                      f"{b['deepseek-v3']['read_GBps_avg']:.2f} / {b['deepseek-v3']['written_GBps_avg']:.2f}"])
     table = report.markdown_table(
-        ["capacity (tokens)", "hit ratio", "of ceiling", "requests with a hit", "segments evicted",
+        ["capacity (tokens)", "hit ratio", "of ceiling", "requests >= 50% hit", "cached behind a gap",
+         "segments evicted",
          "mini GB read / written", "V3 GB read / written", "V3 GB/s avg read / write"], rows)
     mini, v3 = (index["capacity"][0]["bytes"][g] for g in ("mini", "deepseek-v3"))
     return (f"Whole trace, index level: {index['requests']:,} requests, {index['input_tokens'] / 1e6:,.1f}M prompt "
@@ -101,8 +106,10 @@ def index_section(index: dict) -> str:
             f"A hit token reads {mini['read_bytes_per_hit_token']:,} B (`mini`, 8 layers) or "
             f"{v3['read_bytes_per_hit_token']:,} B (`deepseek-v3`, 61 layers) of latents; a missed token costs "
             f"about {v3['written_bytes_per_miss_token'] / 1e3:,.0f} kB written for V3 at the smallest capacity "
-            f"({mini['written_bytes_per_miss_token'] / 1e3:,.1f} kB for mini): more than one token's latents, "
-            f"because answer blocks are saved too and blocks evicted from the middle of a chain are saved again.")
+            f"({mini['written_bytes_per_miss_token'] / 1e3:,.1f} kB for mini): a little more than one token's "
+            f"latents, because answer blocks are saved too, segments have headers, and a block the one-token rule "
+            f"or an eviction kept from hitting is saved again. Every request after the first hits the trace's "
+            f"first hash id (512 tokens every request shares), so the table counts requests with at least half of the prompt hit.")
 
 
 def live_section(live: dict, hit_fraction: float) -> str:
@@ -116,7 +123,8 @@ def live_section(live: dict, hit_fraction: float) -> str:
     return (f"Live slice: the first {live['sessions']} sessions of >= {live['min_turns']} requests (chosen for "
             f"multi-turn reuse: not the trace's mix), all their turns ({live['requests']} requests), each hash "
             f"id {live['hash_tokens']} tokens (lengths / {live['scale']}), answers capped at {live['max_output']} "
-            f"tokens, arrivals {live['time_scale']:g}x faster ({live['arrival_span_s']:.0f} s), streaming "
+            f"tokens, arrivals {live['time_scale']:g}x faster ({live['arrival_span_s']:.0f} s; load average "
+            f"{live['load_average_at_start']:.1f} on the machine's 2 cores at the start: shared), streaming "
             f"/v1/completions with token-id prompts to a fresh stack (preset `{live['preset']}`, 1 engine, "
             f"unbounded volumes). {errors}. Hit ratio **{live['hit_ratio']:.1%}**. The index model predicts "
             f"{live['predicted_hit_ratio']:.1%} if every save landed before the next arrival, and "
@@ -139,10 +147,11 @@ def assessment(result: dict) -> str:
     v3_row = index["capacity"][0]["bytes"]["deepseek-v3"]["read_bytes_per_hit_token"]
     lines = ["**Where DeepInfer stands.**"]
     if unbounded:
-        lines.append(f"With room for everything, DeepInfer's rules reach {unbounded['hit_ratio']:.1%} of prompt "
-                     f"tokens against the trace's ceiling of {ceiling:.1%}: the only losses are the token always "
-                     f"left to prefill and the partial last 64-token block, so block size and lookup rules cost "
-                     f"next to nothing. It needs {unbounded['live_blocks'] * 64 / 1e6:,.0f}M tokens of latents "
+        lines.append(f"With room for everything, DeepInfer's rules reach {unbounded['hit_ratio']:.2%} of prompt "
+                     f"tokens against the trace's ceiling of {ceiling:.2%} ({unbounded['hit_tokens']:,} vs "
+                     f"{index['ceiling']['hit_tokens']:,} tokens): the only losses are the token always left to "
+                     f"prefill and partial last blocks, so 64-token blocks and the lookup rules cost next to "
+                     f"nothing. It needs {unbounded['live_blocks'] * 64 / 1e6:,.0f}M tokens of latents "
                      f"for the hour ({unbounded['live_blocks'] * 64 * v3_row / 1e12:,.1f} TB at DeepSeek-V3's "
                      f"{v3_row:,} B per token) and reads "
                      f"{unbounded['bytes']['deepseek-v3']['read_GBps_avg']:.2f} GB/s on average for V3.")
@@ -150,14 +159,29 @@ def assessment(result: dict) -> str:
         lines.append("Capacity is what decides: " + ", ".join(
             f"{r['label']} tokens keep {r['hit_ratio']:.1%} ({r['hit_ratio'] / ceiling:.0%} of the ceiling)"
             for r in bounded) + ". Eviction works on whole segments by last hit, per volume; a segment "
-                               "evicted from the middle of a chain also cuts off the segments after it (a "
-                               "lookup stops at the first gap), and those keep their space until they age "
-                               "out themselves, which is part of the gap at small capacities.")
-    lines.append("What this replay cannot see: answer tokens have no hash ids in the trace, so a next turn's "
-                 "copy of the previous answer is a miss for both the ceiling and DeepInfer here, although "
-                 "DeepInfer saves answer blocks and would hit them if the next prompt repeats the answer tokens "
-                 "exactly; saves are assumed to land before the next request arrives; retention TTLs (chat: "
-                 "7 days) never expire within the hour.")
+                               "evicted from the middle of a chain cuts off the segments after it (a lookup "
+                               "stops at the first gap), but the prompt tokens still stored behind such a gap "
+                               "are few (" + ", ".join(
+            f"{r['stranded_tokens'] / r['input_tokens']:.1%} at {r['label']}" for r in bounded) + " of prompt "
+            "tokens), so the gap to the ceiling is capacity itself: the trace's reuse reaches back further "
+            "than a small store remembers.")
+    if bounded:
+        small = bounded[0]["bytes"]["deepseek-v3"]
+        lines.append(f"Writes outweigh reads at every capacity: at {bounded[0]['label']} tokens a V3 store would "
+                     f"write {small['bytes_written'] / 1e12:,.1f} TB in the hour to serve "
+                     f"{small['bytes_read'] / 1e12:,.2f} TB of hits ({small['written_GBps_avg']:.1f} GB/s of "
+                     f"writes on average), because every missed block is saved, while {1 - ceiling:.0%} of prompt "
+                     f"tokens are never seen again and, at small capacities, most of the rest is evicted before "
+                     f"its reuse. An admission rule (say, save a block only when it is seen a second time) might cut "
+                     f"that; it is not measured here and not what DeepInfer does today.")
+    lines.append("What this replay cannot see, both of which would raise DeepInfer's real hit ratio above "
+                 "these numbers (and the ceiling with it): answer tokens have no hash ids in the trace, so a next "
+                 "turn's copy of the previous answer is a miss here, although DeepInfer saves answer blocks and "
+                 "would hit them if the next prompt repeats the answer tokens exactly; and the trace's ids are "
+                 "512-token blocks, so where a new id begins with tokens an earlier request had (the previous "
+                 "turn's partial last block, continued), DeepInfer's 64-token blocks would hit up to 448 of them "
+                 "and the trace cannot show it. Saves are assumed to land before the next request arrives; "
+                 "retention TTLs (chat: 7 days) never expire within the hour.")
     if "live" in result:
         live = result["live"]
         lines.append(f"The live slice checks the index model end to end: given when each save really "

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from bench.trace_format import TraceRequest, load_trace, prompt_block_keys, prompt_token_ids, scale_request
+from bench.trace_format import (TraceRequest, load_trace, prompt_block_keys, prompt_token_ids, scale_request,
+                                session_slice)
 from bench.trace_replay import capacity_budget, replay, replay_timed, trace_ceiling
 from bench.trace_store_model import StoreModel, segment_bytes
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, block_hashes, open_redis
@@ -67,6 +68,16 @@ def test_capacity_evicts_the_least_recently_hit_segment_first():
     assert max(store.used) <= budget
 
 
+def test_a_block_evicted_from_the_middle_of_a_chain_strands_the_rest():
+    budget = int(3.5 * segment_bytes(G, 1))
+    first, other = req([1, 9], 5), req([7, 17], 5)
+    result, _ = run([first, other, first], budget=budget, max_segment_blocks=1)
+    # `other` evicts the least recent one-block segment: block 0 of `first`; its block 1 is still
+    # stored, but a lookup stops at the gap, so the repeat misses entirely.
+    assert result.per_request_hits == [0, 0, 0]
+    assert result.stranded_tokens == 2
+
+
 def test_eviction_is_per_volume_and_placement_is_least_used_first():
     budget = int(1.5 * segment_bytes(G, 1))
     result, store = run([req([1, 11], 5), req([2, 12], 5), req([1, 11], 5)], volumes=2, budget=budget, max_segment_blocks=1)
@@ -88,6 +99,20 @@ def test_capacity_budget_and_bytes():
     result, _ = run([req([1], 4), req([1], 4)])
     assert result.bytes_read(v3) == 2 * 61 * 1152
     assert result.bytes_written(v3) == segment_bytes(v3, 2) + segment_bytes(v3, 1)
+
+
+def test_blocks_of_several_hash_ids_take_the_last_id_as_key():
+    # Hash ids of 2 tokens, blocks of 4: a block is named by the last id it covers (ids are chained).
+    assert prompt_block_keys(req([5, 6, 7, 8], 7), 2, 4) == [6]
+    assert prompt_block_keys(req([5, 6, 7, 8], 8), 2, 4) == [6, 8]
+
+
+def test_session_slice_takes_every_turn_of_the_first_sessions():
+    trace = [req([0, 1], 4), req([0, 2], 4), req([0, 1, 3], 6), req([0, 5], 4), req([0, 2, 4], 6),
+             req([0, 1, 3, 6], 8)]
+    assert session_slice(trace, 1, min_turns=2) == [trace[0], trace[2], trace[5]]
+    assert session_slice(trace, 2, min_turns=2) == [trace[0], trace[1], trace[2], trace[4], trace[5]]
+    assert session_slice(trace, 3) == trace
 
 
 def test_trace_mapping_and_scaling(tmp_path):
@@ -193,10 +218,13 @@ def test_index_level_on_a_small_trace(tmp_path):
 def test_live_replay_through_a_real_stack_matches_the_timed_model():
     from bench.trace_bench import build_parser, live
 
-    args = build_parser().parse_args(["--sessions", "1", "--min-turns", "4", "--time-scale", "100",
+    # The first session of >= 4 turns: arrivals at 0, 546, 642 and 732 s, here 0, 18, 21 and 24 s.
+    args = build_parser().parse_args(["--sessions", "1", "--min-turns", "4", "--time-scale", "30",
                                       "--max-output", "2", "--quiet"])
     result = live(args)
-    assert result["errors"] == 0 and result["requests"] == 4
-    assert result["hit_ratio"] > 0
-    assert result["requests_matching_timed_prediction"] == 4
+    seen = [(r["hit_tokens"], round(r["arrival_s"], 1), round(r["ttft_s"], 2), round(r["latency_s"], 2), r["error"])
+            for r in result["per_request"]]
+    assert result["errors"] == 0 and result["requests"] == 4, seen
+    assert result["hit_ratio"] > 0, seen
+    assert result["requests_matching_timed_prediction"] == 4, seen
     assert result["ttft"]["all"]["p50_s"] > 0
