@@ -164,10 +164,14 @@ LONG_TEXT = "hello " * 17_000  # over the tiny preset's 16,384-token context
     (CHAT | {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", "context_length_exceeded"),
 ])
 def test_gateway_rejects_bad_chat_requests_by_name(stack, body, param, code):
+    wait_for_saves(stack)
+    before = stored(stack)
     reply = _post_gateway(stack, body)
     assert reply.status == 400, reply
     error = _error(reply)
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
+    wait_for_saves(stack)
+    assert stored(stack) == before
 
 
 def test_bad_completion_requests_and_bodies_write_nothing(stack):

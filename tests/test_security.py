@@ -154,6 +154,7 @@ def test_one_tenant_never_observes_anothers_cache(stack):
     wait_for_saves(stack)
     full_hit = (PROMPT_TOKENS - 1) // B * B
     times: dict[str, list[float]] = {"fresh miss": [], "B on A's prompt": [], "A's hit": []}
+    seen: dict[str, list[tuple[int, float, float]]] = {kind: [] for kind in times}  # (usage, loaded, found)
     for i in range(ROUNDS):  # interleaved, so that a slow spell of the machine hits every kind
         for kind, key, tokens in (("fresh miss", "key-b", fresh_prompts[i]),
                                   ("B on A's prompt", "key-b", a_prompts[i]),
@@ -161,20 +162,21 @@ def test_one_tenant_never_observes_anothers_cache(stack):
             wait_for_saves(stack)
             loaded, found = loaded_tokens(stack), metric(stack.gateway_url, "gateway_prefix_lookup_hit_tokens_total")
             seconds, hit = _ttft(stack, key, tokens)
-            loaded_now = loaded_tokens(stack) - loaded
-            found_now = metric(stack.gateway_url, "gateway_prefix_lookup_hit_tokens_total") - found
             times[kind].append(seconds)
-            if kind == "A's hit":
-                # The engine may recompute part of a hit whose disk read is slow; usage says so.
-                assert found_now == full_hit and 0 < hit == loaded_now, (i, hit, loaded_now, found_now)
-            else:
-                assert hit == 0 and loaded_now == 0 and found_now == 0, (kind, i, hit, loaded_now, found_now)
+            seen[kind].append((hit, loaded_tokens(stack) - loaded,
+                               metric(stack.gateway_url, "gateway_prefix_lookup_hit_tokens_total") - found))
     medians = {kind: statistics.median(t) for kind, t in times.items()}
     print("TTFT medians (s):", {k: round(v, 3) for k, v in medians.items()},
-          {k: [round(x, 3) for x in v] for k, v in times.items()})
-    # Generous margins for a noisy shared machine: a hit is several times faster than a miss here.
-    assert medians["A's hit"] < 0.6 * medians["fresh miss"], medians  # the test can see a hit
-    assert medians["B on A's prompt"] > 0.6 * medians["fresh miss"], medians  # B sees none
+          {k: [round(x, 3) for x in v] for k, v in times.items()}, "(usage, loaded, found):", seen)
+    # The mechanism: B's requests found nothing in the index, loaded nothing, were billed no hit.
+    assert all(s == (0, 0, 0) for s in seen["fresh miss"] + seen["B on A's prompt"]), seen
+    # A's found its prefix every time; usage reports what the engine loaded (the engine may
+    # recompute part of a hit whose disk read is slow, so most, not all, rounds loaded all of it).
+    assert all(found == full_hit and usage == loaded for usage, loaded, found in seen["A's hit"]), seen
+    assert sum(usage == full_hit for usage, _, _ in seen["A's hit"]) > ROUNDS // 2, seen
+    # The side channel, with generous margins for a noisy shared machine (a hit is ~5x faster here).
+    assert medians["A's hit"] < 0.5 * medians["fresh miss"], medians  # the test can see a hit
+    assert medians["B on A's prompt"] > 0.5 * medians["fresh miss"], medians  # B sees none
 
 
 def test_tenant_cannot_claim_another_tenant_in_the_body(stack):
