@@ -114,7 +114,13 @@ class LatentCache:
         """Loads a prefix's latents (P, A) for one layer into rows [0, P)."""
         if latents_PA.shape[1:] != (self.cfg.latent_dim,):
             raise ValueError(f"prefix latents must be (P, {self.cfg.latent_dim}), got {latents_PA.shape}")
-        self.reserve(latents_PA.shape[0])
+        rows = latents_PA.shape[0]
+        self.reserve(rows)
+        # Pad to a bucket so prefixes of every length share a few compiled shapes; the pad rows lie
+        # past the prefix, where the suffix's latents overwrite them or causal masking hides them.
+        padded = min(bucket(rows), self.capacity)
+        if padded != rows:
+            latents_PA = np.pad(np.asarray(latents_PA), ((0, padded - rows), (0, 0)))
         self.layers[layer] = _place(self.layers[layer], jnp.asarray(latents_PA))
 
     def latents(self, layer: int, begin: int, end: int) -> np.ndarray:
@@ -216,11 +222,12 @@ class ModelRunner:
         tokens = np.asarray(tokens, np.int64)
         self.check_tokens(tokens, start, reserve)
         n = tokens.size
-        cache = cache or LatentCache(self.cfg)
         chunk = _pow2(chunk_tokens) if chunk_tokens else self.chunk_size(start + n)
         T = 1 if n == 1 else min(chunk, _pow2(max(n, MIN_CHUNK)))
         count = -(-n // T)
-        cache.reserve(start + count * T + reserve)  # the padded tail chunk writes rows too
+        needed = start + count * T + reserve  # the padded tail chunk writes rows too
+        cache = cache or LatentCache(self.cfg, needed)
+        cache.reserve(needed)
         padded = np.pad(tokens, (0, count * T - n))
         chunks = [self.embed(padded[i * T:(i + 1) * T]) for i in range(count)]
         for layer in range(self.cfg.num_layers):

@@ -183,7 +183,7 @@ class Generator:
         while True:
             try:
                 if prefix:
-                    result = self.runner.prefill(job.tokens[prefix:], LatentCache(self.loaded.config), start=prefix,
+                    result = self.runner.prefill(job.tokens[prefix:], start=prefix,
                                                  load_prefix=lambda layer: load(layer, prefix), reserve=reserve)
                 else:
                     result = self.runner.prefill(job.tokens, reserve=reserve)
