@@ -4,7 +4,6 @@ what DESIGN.md's invariants promise. The stack is shared; a test restarts what i
 RELIABILITY.md lists every fault with the test that shows it.
 """
 import asyncio
-import os
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from tests.fault_stack import (B, FaultStack, SlowLink, admin_json, admin_post, 
 pytestmark = pytest.mark.timeout(300)
 
 VERIFY_FAILURES = "kvstore_verification_failures_total"
+FAILED_SAVES = 'deepinfer_engine_saves_total{outcome="failed"}'
 SEGMENTS_WRITTEN = "kvstore_segments_written_total"
 WRITE_FAILURES = "kvstore_write_failures_total"
 
@@ -117,7 +117,7 @@ def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):
     wait_for_saves(stack)
     port = stack.valkey.port
     lookup_failures = metric(stack.gateway_url, "gateway_prefix_lookup_failures_total")
-    failed_saves = engines_metric(stack, 'deepinfer_engine_saves_total{outcome="failed"}')
+    failed_saves = engines_metric(stack, FAILED_SAVES)
     stack.valkey.stop()
     try:
         text, usage = chat(stack, saved, timeout_s=60)
@@ -126,7 +126,7 @@ def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):
         assert usage.prompt_cache_hit_tokens == 0
         wait_for_saves(stack)
         assert metric(stack.gateway_url, "gateway_prefix_lookup_failures_total") >= lookup_failures + 2
-        assert engines_metric(stack, 'deepinfer_engine_saves_total{outcome="failed"}') > failed_saves
+        assert engines_metric(stack, FAILED_SAVES) > failed_saves
     finally:
         stack.valkey.start()
     assert stack.valkey.port == port
@@ -142,7 +142,7 @@ def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):
 async def test_kvstore_killed_mid_saves_leaves_no_torn_entry_and_hits_resume_after_restart(stack):
     contents = [prompt(f"kill-{i}", 1000) for i in range(10)]
     written = await asyncio.to_thread(metric, stack.kvstore_url, SEGMENTS_WRITTEN)
-    failed_saves = await asyncio.to_thread(engines_metric, stack, 'deepinfer_engine_saves_total{outcome="failed"}')
+    failed_saves = await asyncio.to_thread(engines_metric, stack, FAILED_SAVES)
     aclient = AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     requests = [asyncio.create_task(aclient.chat.completions.create(
         model="deepseek-chat", messages=[{"role": "user", "content": c}], max_tokens=8, temperature=0))
@@ -168,7 +168,7 @@ async def test_kvstore_killed_mid_saves_leaves_no_torn_entry_and_hits_resume_aft
         await aclient.close()
     answers = [r.choices[0].message.content for r in replies]
     await asyncio.to_thread(wait_for_saves, stack)
-    assert await asyncio.to_thread(engines_metric, stack, 'deepinfer_engine_saves_total{outcome="failed"}') > failed_saves
+    assert await asyncio.to_thread(engines_metric, stack, FAILED_SAVES) > failed_saves
 
     try:
         # The outage: prefixes the index still knows are read through a dead kvstore, so they are misses.
@@ -308,7 +308,7 @@ def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_en
     results = {}
 
     def ask(name, content, max_tokens):
-        results[name] = streamed(stack, content, max_tokens, timeout_s=120)
+        results[name] = streamed(stack, content, max_tokens, timeout_s=120), time.monotonic()
 
     args = stack.commands["engine0"][1]
     at = args.index("--kvstore-url")
@@ -328,8 +328,8 @@ def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_en
         assert stack.kill("engine0", signal.SIGTERM, wait_s=60) == 0  # exits cleanly once drained
         asking.join(60)
         print(f"engine0 exited {time.monotonic() - began:.1f} s after SIGTERM")
-        _, text, usage = results["engine"]
-        assert usage.completion_tokens == 400  # the in-flight request finished in full
+        (_, text, usage), finished = results["engine"]
+        assert finished > began and usage.completion_tokens == 400  # in flight at SIGTERM, finished in full
         assert asyncio.run(audit_index(stack, stack.volume_args)) > 0
     finally:
         stack.restart("engine0")
@@ -344,10 +344,16 @@ def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_en
     # The gateway: SIGTERM with a request in flight; the request still completes.
     asking = threading.Thread(target=ask, args=("gateway", prompt("sigterm-gateway"), 300))
     asking.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not admin_json(stack, stack.gateway_url + "/admin/stats")["in_flight"]:
+        assert time.monotonic() < deadline, "the request never reached the gateway"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    began = time.monotonic()
     try:
         assert stack.kill("gateway", signal.SIGTERM, wait_s=60) == 0
         asking.join(60)
-        assert results["gateway"][2].completion_tokens == 300
+        (_, _, usage), finished = results["gateway"]
+        assert finished > began and usage.completion_tokens == 300
     finally:
         stack.restart("gateway")
