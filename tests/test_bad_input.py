@@ -226,6 +226,28 @@ async def test_a_stream_closed_by_the_client_midway_is_cancelled_and_the_stack_s
     assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
 
+async def test_a_client_that_abandons_a_whole_answer_cancels_its_generation(stack):
+    """The non-streamed case: the gateway learns of the disconnect only by its handler being
+    cancelled, and must then cancel the engine's generation (which would run to the context's end)."""
+    disconnects = metric(stack.gateway_url, "gateway_client_disconnects_total")
+    body = CHAT | {"max_tokens": 10 ** 30, "messages": [{"role": "user", "content": "Count to a billion."}]}
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(stack.gateway_url + "/v1/chat/completions", json=body,
+                                                   headers={"Authorization": "Bearer key-a"}))
+        for _ in range(200):
+            if admin_stats(stack.engine_urls[0])["in_flight"]:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the request never reached the engine")
+        request.cancel()  # drops the connection before any byte of the answer
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    await asyncio.to_thread(wait_until_idle, stack)
+    assert metric(stack.gateway_url, "gateway_client_disconnects_total") == disconnects + 1
+    assert _post_gateway(stack, CHAT).status == 200
+
+
 # -- the kvstore service's msgpack API --
 
 def _post_kvstore(stack, path: str, body: bytes):
