@@ -106,8 +106,11 @@ def misses_at(args, n: int) -> int:
     return args.repeats if n < args.long_from else max(1, min(args.repeats, args.long_misses))
 
 
-def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_pid: int | None) -> dict:
-    out: dict = {}
+def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_pid: int | None,
+                       result: dict) -> dict:
+    """Fills result["requests"] length by length, writing bench/out/<name>_partial.json after each, so a
+    run cut short still leaves what it measured (--report-from renders it)."""
+    out = result["requests"] = {}
     total = sum(misses_at(args, n) + 1 + 2 * args.repeats for n in lengths)  # misses, warm-up hit, cold + warm
     bar = tqdm(total=total, desc="requests via gateway", unit="req")
     for n in lengths:
@@ -138,6 +141,7 @@ def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_p
             say(f"{n}: unexpected cached token counts {unexpected}")
         rows["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None
         out[str(n)] = rows
+        report.write_json(args.name + "_partial", result)
         say(f"{n}: miss {statistics.median(r['client_ttft_s'] for r in rows['miss']):.2f} s, cold hit "
             f"{statistics.median(r['client_ttft_s'] for r in rows['cold_hit']):.2f} s, warm hit "
             f"{statistics.median(r['client_ttft_s'] for r in rows['warm_hit']):.2f} s")
@@ -163,6 +167,7 @@ def measure(args) -> dict:
                     "cold_is_cold": can_drop, "load_average_start": os.getloadavg()[0], "phases_s": {},
                     "misses": {str(n): misses_at(args, n) for n in lengths}}
     begin = time.perf_counter()
+    failed = True
     try:
         diy, model_dir = run_transformers(args, work, lengths, build_model_dir=own)
         result["transformers"] = diy
@@ -193,24 +198,30 @@ def measure(args) -> dict:
                               engines=args.engines, gateway_port=free_port(), kvstore_port=free_port(),
                               engine_port=free_port(), redis_port=free_port(), ready_timeout_s=600)
             say(f"starting a stack ({args.engines} engine(s)) in {cfg.data_dir}")
+            # A long miss on a busy machine can take more than the gateway's default 600 s to its first token.
+            os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
             stack = Stack(cfg, quiet=True).start()
             # ports: engine replicas take engine_port + i, so with >1 engine a clash is possible (rare)
-            driver = GatewayDriver(stack.gateway_url, stack.admin_token, stack.engine_urls)
+            engine_pid = stack.procs["engine0"].pid if args.engines == 1 else None
+            driver = GatewayDriver(stack.gateway_url, stack.admin_token, stack.engine_urls, engine_pid=engine_pid)
             engine_pid = stack.procs["engine0"].pid
         else:
-            driver = GatewayDriver(args.url, args.admin_token)
             engine_pid = args.engine_pid
+            driver = GatewayDriver(args.url, args.admin_token, engine_pid=engine_pid)
         result["phases_s"]["stack_start"] = time.perf_counter() - mark
         try:
             mark = time.perf_counter()
-            result["requests"] = run_stack_requests(args, driver, lengths, engine_pid)
+            run_stack_requests(args, driver, lengths, engine_pid, result)
             result["phases_s"]["requests"] = time.perf_counter() - mark
             result["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None
         finally:
             if stack is not None:
                 stack.stop()
+        failed = False
     finally:
-        if not args.keep:
+        if failed:
+            say(f"failed: kept {work} (stack logs under stack/logs)")
+        elif not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     result["wall_s"] = time.perf_counter() - begin
     result["load_average_end"] = os.getloadavg()[0]
@@ -238,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="longest prompt transformers runs (its 16K miss takes minutes even where it fits)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="the engine's prefill chunk (EngineConfig)")
-    parser.add_argument("--dd-mib", type=int, default=512, help="size of the raw-bandwidth test file")
+    parser.add_argument("--dd-mib", type=int, default=1024, help="size of the raw-bandwidth test file")
     parser.add_argument("--dir", default=str(report.OUT / "ttft_bench"), help="work directory (on the device to test)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--no-drop", action="store_true", help="never drop the page cache")

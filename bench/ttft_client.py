@@ -8,6 +8,7 @@ a time, which the bench ensures).
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from typing import NamedTuple
@@ -38,6 +39,7 @@ class Timed(NamedTuple):
     loaded_bytes: float
     loaded_tokens: float
     fallbacks: float  # hits the engine cut short (verification failure or prefetch deadline)
+    engine_cpu_s: float | None  # CPU time the engine process used meanwhile (vs wall time: contention)
 
 
 def _get(url: str, token: str = "", timeout_s: float = 10.0) -> bytes:
@@ -67,11 +69,13 @@ class GatewayDriver:
     """Drives one stack: the gateway for requests, its engines for metrics and pending saves."""
 
     def __init__(self, gateway_url: str, admin_token: str, engine_urls: list[str] | None = None,
-                 api_key: str = "bench", model: str = "deepseek-chat", seed: int | None = None):
+                 api_key: str = "bench", model: str = "deepseek-chat", seed: int | None = None,
+                 engine_pid: int | None = None):
         self.gateway_url, self.admin_token, self.model = gateway_url.rstrip("/"), admin_token, model
         self.engine_urls = engine_urls or self._engines_from_gateway()
         self.client = OpenAI(base_url=self.gateway_url + "/v1", api_key=api_key, max_retries=0, timeout=900)
         self.rng = np.random.default_rng(seed if seed is not None else time.time_ns())
+        self.engine_pid = engine_pid
 
     def _engines_from_gateway(self) -> list[str]:
         stats = json.loads(_get(self.gateway_url + "/admin/stats", self.admin_token))
@@ -106,6 +110,7 @@ class GatewayDriver:
     def complete(self, tokens: list[int]) -> Timed:
         """One streamed /v1/completions request generating one token; times the first chunk."""
         before = self._counters()
+        cpu_before = cpu_seconds(self.engine_pid)
         begin = time.perf_counter()
         stream = self.client.completions.create(model=self.model, prompt=tokens, max_tokens=1, temperature=0,
                                                 stream=True, stream_options={"include_usage": True})
@@ -116,12 +121,24 @@ class GatewayDriver:
                 first_text = bool(chunk.choices and chunk.choices[0].text)
             if chunk.usage is not None:
                 usage = chunk.usage
+        cpu_after = cpu_seconds(self.engine_pid)
         after = self._counters()
         delta = {name: after[name] - before[name] for name in after}
         cached = int(getattr(usage, "prompt_cache_hit_tokens", 0) or 0) if usage is not None else -1
         return Timed(first_s, first_text, cached, delta[GATEWAY_TTFT_SUM], delta[ENGINE_TTFT_SUM],
                      delta[ENGINE_STALL], delta[ENGINE_LOADED_BYTES], delta[ENGINE_LOADED_TOKENS],
-                     delta[ENGINE_FALLBACKS])
+                     delta[ENGINE_FALLBACKS], None if cpu_before is None else cpu_after - cpu_before)
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process so far (/proc/<pid>/stat), or None."""
+    if not pid:
+        return None
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def peak_rss_bytes(pid: int) -> int | None:

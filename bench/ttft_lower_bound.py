@@ -23,6 +23,7 @@ class SuffixCompute(NamedTuple):
     prefix_tokens: int
     compute_s: list[float]  # prefix latents already placed in the cache: pure suffix compute
     placed_s: list[float]  # the same, placing the prefix layer by layer from host arrays (a RAM hit)
+    compute_cpu_s: list[float]  # CPU time (all threads) of compute_s: vs wall time, what contention took
 
 
 class RawDevice(NamedTuple):
@@ -57,7 +58,7 @@ def suffix_compute(model_dir: Path, lengths: list[int], suffix: int, repeats: in
         prefix = tokens - suffix
         latents = [(rng.standard_normal((prefix, cfg.latent_dim), np.float32) * 0.1).astype(jax.numpy.bfloat16)
                    for _ in range(cfg.num_layers)]  # (P, A) per layer, cache dtype
-        compute, placed = [], []
+        compute, placed, compute_cpu = [], [], []
         for rep in range(repeats + 1):  # the first is the warm-up
             ids = rng.integers(1_000, 100_000, suffix)
             cache = LatentCache(cfg)
@@ -65,9 +66,9 @@ def suffix_compute(model_dir: Path, lengths: list[int], suffix: int, repeats: in
             for layer in range(cfg.num_layers):
                 cache.place_prefix(layer, latents[layer])
             jax.block_until_ready(cache.layers)
-            begin = time.perf_counter()
+            begin, cpu = time.perf_counter(), time.process_time()
             runner.prefill(ids, cache, start=prefix, reserve=reserve)
-            c = time.perf_counter() - begin
+            c, c_cpu = time.perf_counter() - begin, time.process_time() - cpu
             begin = time.perf_counter()
             runner.prefill(ids, LatentCache(cfg), start=prefix, load_prefix=lambda layer: latents[layer],
                            reserve=reserve)
@@ -75,10 +76,11 @@ def suffix_compute(model_dir: Path, lengths: list[int], suffix: int, repeats: in
             if rep:
                 compute.append(c)
                 placed.append(p)
+                compute_cpu.append(c_cpu)
             if progress is not None:
                 progress.update()
             del cache
-        out.append(SuffixCompute(tokens, prefix, compute, placed))
+        out.append(SuffixCompute(tokens, prefix, compute, placed, compute_cpu))
         del latents
         gc.collect()
     del runner, loaded

@@ -43,6 +43,8 @@ def summarize(result: dict) -> list[dict]:
     raw_gbps = result["raw_device"]["gbps"]
     rows = []
     for n in result["lengths"]:
+        if str(n) not in result.get("requests", {}):
+            continue  # a run cut short
         req, comp, diy = result["requests"][str(n)], result["suffix_compute"][str(n)], result["transformers"][str(n)]
         loaded = statistics.median(h["loaded_bytes"] for h in req["cold_hit"])
         row = {"tokens": n, "prefix_tokens": comp["prefix_tokens"], "loaded_bytes": loaded,
@@ -52,6 +54,10 @@ def summarize(result: dict) -> list[dict]:
                "cold_stall": spread([r["stall_s"] for r in req["cold_hit"]]),
                "warm_stall": spread([r["stall_s"] for r in req["warm_hit"]]),
                "compute": spread(comp["compute_s"]), "placed": spread(comp["placed_s"]),
+               "compute_cpu": spread(comp.get("compute_cpu_s") or []),
+               "miss_cpu": spread([r.get("engine_cpu_s") for r in req["miss"]]),
+               "cold_cpu": spread([r.get("engine_cpu_s") for r in req["cold_hit"]]),
+               "warm_cpu": spread([r.get("engine_cpu_s") for r in req["warm_hit"]]),
                "load_at_raw_s": loaded / (raw_gbps * 1e9),
                "breakdown": {"cold": _breakdown(req["cold_hit"]), "warm": _breakdown(req["warm_hit"])},
                "engine_peak_rss_bytes": req.get("engine_peak_rss_bytes")}
@@ -80,11 +86,13 @@ def tables(result: dict) -> str:
     s = result["summary"]
     ours = report.markdown_table(
         ["prompt", "miss s", "cold hit s", "warm hit s", "miss / cold hit", "lower bound s (load@raw, compute)",
-         "cold hit / bound", "warm hit / bound", "stall s cold / warm", "engine VmHWM GiB"],
+         "cold hit / bound", "warm hit / bound", "stall s cold / warm",
+         "engine CPU s miss / cold / warm", "engine VmHWM GiB"],
         [[_k(r["tokens"]), fmt(r["miss"]), fmt(r["cold_hit"]), fmt(r["warm_hit"]), f"{r['speedup_cold']:.1f}x",
           f"{r['lower_bound_s']:.2f} ({r['load_at_raw_s']:.2f}, {r['compute']['median']:.2f})",
           f"{r['cold_vs_bound']:.2f}x", f"{r['warm_vs_bound']:.2f}x",
           f"{r['cold_stall']['median']:.2f} / {r['warm_stall']['median']:.2f}",
+          " / ".join(f"{r[k]['median']:.1f}" if r.get(k) else "-" for k in ("miss_cpu", "cold_cpu", "warm_cpu")),
           f"{r['engine_peak_rss_bytes'] / 2**30:.1f}" if r["engine_peak_rss_bytes"] else "-"] for r in s])
     side = report.markdown_table(
         ["prompt", "DeepInfer miss s", "DeepInfer cold hit s", "transformers miss s", "transformers hit s cold / warm",
@@ -97,9 +105,11 @@ def tables(result: dict) -> str:
                                                   if r.get("hf_cache_file_bytes") else "-")] for r in s])
     parts = report.markdown_table(
         ["prompt", "hit", "client + SSE s", "gateway + HTTP s", "engine compute s", "engine stall s",
-         "in-process: compute / placing from RAM s"],
+         "in-process, prefix in RAM: compute s (its CPU s) / with placing s"],
         [[_k(r["tokens"]), kind, f"{b['client_s']:.3f}", f"{b['gateway_s']:.3f}", f"{b['compute_s']:.3f}",
-          f"{b['stall_s']:.3f}", f"{r['compute']['median']:.3f} / {r['placed']['median']:.3f}"]
+          f"{b['stall_s']:.3f}", f"{r['compute']['median']:.3f} ("
+          + (f"{r['compute_cpu']['median']:.2f}" if r.get("compute_cpu") else "-")
+          + f") / {r['placed']['median']:.3f}"]
          for r in s for kind, b in r["breakdown"].items()])
     return ours + "\n\n" + side + "\n\nWhere a hit's time goes (medians):\n\n" + parts
 
@@ -149,7 +159,8 @@ def write_report(result: dict, command: str) -> None:
         tables(result), "",
         *goals(result),
         f"- machine: {result['machine']}; 1-minute load average {result['load_average_start']:.1f} at the start, "
-        f"{result['load_average_end']:.1f} at the end (shared machine); whole run {result['wall_s'] / 60:.1f} min",
+        f"{result.get('load_average_end', float('nan')):.1f} at the end (shared machine); whole run "
+        + (f"{result['wall_s'] / 60:.1f} min" if "wall_s" in result else "cut short (partial results)"),
         "- breakdown from metric deltas around each request (the engine's done-event timing is not passed on by "
         "the gateway): gateway + HTTP = gateway TTFT histogram - engine TTFT histogram; compute = engine TTFT - "
         "prefetch stall; client + SSE = client TTFT - gateway TTFT.",

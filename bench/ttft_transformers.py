@@ -88,8 +88,10 @@ def measure(model: torch.nn.Module, tokens: int, suffix: int, cache_path: Path,
         cache.crop(-suffix)  # this transformers crops by a negative count of tokens to drop
         assert cache.get_seq_length() == tokens - suffix
         begin = time.perf_counter()
-        torch.save(cache, cache_path)
-        os.sync()
+        with open(cache_path, "wb") as file:
+            torch.save(cache, file)
+            file.flush()
+            os.fsync(file.fileno())  # durable, as our saves are; only this file (os.sync would flush everyone's)
         save_s = time.perf_counter() - begin
         del out, cache
         gc.collect()
