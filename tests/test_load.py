@@ -108,9 +108,11 @@ async def test_64_clients_multi_turn_zero_errors_same_answers_flat_memory(stack)
     print(f"\nload: {CLIENTS} clients x {TURNS} turns x {WAVES} waves = {len(turns)} requests in {seconds:.1f} s, "
           f"0 errors, hit ratio {hit_ratio:.1%}, latency p50 {p50:.3f} s p99 {p99:.3f} s; RSS MiB by wave {mib}")
     record_in_reliability(
-        f"| load | {CLIENTS} concurrent clients, {len(turns)} multi-turn chat requests (tiny preset, 2 engines, "
-        f"temperature 0) | 0 errors, every answer equal to its sequential reference; hit ratio {hit_ratio:.1%}; "
-        f"latency p50 {p50:.2f} s, p99 {p99:.2f} s; RSS flat from wave 2 to {WAVES} | tests/test_load.py |")
+        f"| Load: {CLIENTS} concurrent clients, {len(turns)} multi-turn chat requests ({WAVES} waves, tiny preset, "
+        f"2 engines, temperature 0) | 0 errors; every answer equals the same conversation run alone; "
+        f"hit ratio {hit_ratio:.1%}; latency p50 {p50:.2f} s, p99 {p99:.2f} s (64 clients queued on 2 engines); "
+        f"gateway and engine RSS flat from wave 2 to wave {WAVES} | "
+        f"`test_64_clients_multi_turn_zero_errors_same_answers_flat_memory` |")
     assert len(turns) == CLIENTS * TURNS * WAVES
     assert hit_ratio > 0.5  # the system prompt and earlier turns are served from the cache
     scale, slack = RSS_TOLERANCE
