@@ -4,6 +4,7 @@ what DESIGN.md's invariants promise. The stack is shared; a test restarts what i
 RELIABILITY.md lists every fault with the test that shows it.
 """
 import asyncio
+import collections
 import shutil
 import signal
 import subprocess
@@ -262,8 +263,9 @@ def test_a_full_then_read_only_volume_skips_saves_and_requests_still_succeed(sta
 
 async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or_a_clear_503(stack):
     aclient = AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=90)
+    started = collections.defaultdict(asyncio.Event)  # request name -> its first streamed token arrived
 
-    async def ask(content: str, max_tokens: int, stream: bool):
+    async def ask(name: str, content: str, max_tokens: int, stream: bool):
         """'ok' or the error the client saw; never hangs (bounded client and test timeouts)."""
         try:
             reply = await aclient.chat.completions.create(
@@ -271,7 +273,7 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
                 temperature=0, stream=stream)
             if stream:
                 async for _ in reply:
-                    pass
+                    started[name].set()
             return "ok"
         except APIStatusError as error:
             assert error.status_code == 503 and error.body["type"] == "service_unavailable_error", error.body
@@ -280,25 +282,53 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
             assert "engine" in error.message.lower(), error.message
             return "stream error"
 
-    engine0_failures = [f'gateway_engine_failures_total{{engine="{stack.engine_urls[0]}",reason="{reason}"}}'
-                        for reason in ("unavailable", "mid_generation")]
-    failures_before = sum(metric(stack.gateway_url, series) for series in engine0_failures)
-    # Both engines idle: the long prefill goes to engine0 (the first of equals), the streams spread out.
-    prefill = asyncio.create_task(ask(prompt("engine-kill-long", 2000), 8, False))
-    await asyncio.sleep(0.3)
-    streams = [asyncio.create_task(ask(prompt(f"engine-kill-stream-{i}"), 300, True)) for i in range(3)]
-    await asyncio.sleep(2.0)
+    def active() -> list[int]:
+        return [admin_json(stack, url + "/admin/stats")["in_flight"] for url in stack.engine_urls]
+
+    async def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(condition):
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    def failures(reason: str) -> float:
+        series = f'gateway_engine_failures_total{{engine="{stack.engine_urls[0]}",reason="{reason}"}}'
+        return metric(stack.gateway_url, series)
+
+    before = {reason: failures(reason) for reason in ("unavailable", "mid_generation")}
+    # The gateway sends each request to the engine with the fewest of its requests in flight, ties to the
+    # engine that reported fewer at its last probe (every 2 s), then to engine0. So: a stream on each
+    # engine, then a non-streamed request on each; with both engines' two slots busy, the long prompt
+    # goes to engine0 and waits there, before its first token.
+    tasks = {}
+    for i, name in enumerate(("stream0", "stream1")):
+        tasks[name] = asyncio.create_task(ask(name, prompt(f"engine-kill-{name}"), 8000, True))
+        await asyncio.wait_for(started[name].wait(), 60)
+        await until(lambda: active()[i] == 1, f"{name} is not on engine{i}")
+    await asyncio.sleep(2.5)
+    for name in ("whole0", "whole1"):
+        tasks[name] = asyncio.create_task(ask(name, prompt(f"engine-kill-{name}"), 8000, False))
+        await asyncio.sleep(0.5)
+    await until(lambda: active() == [2, 2], "the non-streamed requests did not spread over both engines")
+    await asyncio.sleep(2.5)
+    tasks["queued"] = asyncio.create_task(ask("queued", prompt("engine-kill-queued", 1000), 8, False))
+    await asyncio.sleep(1.0)
     try:
         stack.kill("engine0")
-        outcomes = await asyncio.wait_for(asyncio.gather(prefill, *streams), 150)
+        outcomes = {name: await asyncio.wait_for(tasks[name], 60) for name in ("stream0", "whole0")}
+        for name in ("stream1", "whole1"):  # free engine1's slots for the retried request
+            tasks[name].cancel()
+        outcomes["queued"] = await asyncio.wait_for(tasks["queued"], 90)
         print("outcomes after killing engine0:", outcomes)
-        # Nothing hangs, and every failure is a clear one. The prefill had no token yet when engine0 died,
-        # so the gateway sent it to engine1 instead.
-        assert outcomes[0] == "ok"
-        assert sum(metric(stack.gateway_url, series) for series in engine0_failures) > failures_before
-        for i in range(3):  # engine0 is out of the rotation: nothing more fails
+        # Had tokens when engine0 died: a clear error, streamed or not. Had none: retried on engine1.
+        assert outcomes == {"stream0": "stream error", "whole0": "503", "queued": "ok"}
+        assert failures("mid_generation") >= before["mid_generation"] + 2
+        assert failures("unavailable") > before["unavailable"]
+        for i in range(2):  # engine0 is out of the rotation: nothing more fails
             await asyncio.to_thread(chat, stack, prompt(f"engine-kill-after-{i}"), 4, 60)
     finally:
+        for task in tasks.values():
+            task.cancel()
         await aclient.close()
         await asyncio.to_thread(stack.restart, "engine0")
 
