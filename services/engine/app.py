@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a 128K-token prompt is ~1 MB of JSON
 RETENTION_CLASSES = ("chat", "agent")
+# Below this the sampler's float32 logits / temperature overflow and it returns token 0; sampling
+# as the temperature goes to 0 is greedy. (Finite for |logits| < 3e8.)
+GREEDY_BELOW_TEMPERATURE = 1e-30
 
 
 class BadJob(ValueError):
@@ -69,8 +72,10 @@ def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int
         top_k = _field(body, "top_k", int, 0)
         # A cut at or beyond the vocabulary keeps every token; jax's top_k would reject it.
         top_k = 0 if top_k >= vocab_size else top_k
+        temperature = _field(body, "temperature", float, 0.0)
+        temperature = 0.0 if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
         params = SamplingParams(max_tokens=_field(body, "max_tokens", int, 16),
-                                temperature=_field(body, "temperature", float, 0.0),
+                                temperature=temperature,
                                 top_p=_field(body, "top_p", float, 1.0), top_k=top_k,
                                 seed=_field(body, "seed", int, None), stop_token_ids=stop)
     except (TypeError, ValueError) as error:
