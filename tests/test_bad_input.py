@@ -174,6 +174,27 @@ def test_gateway_rejects_bad_chat_requests_by_name(stack, body, param, code):
     assert stored(stack) == before
 
 
+@pytest.mark.parametrize("extra", [
+    {"seed": -2 ** 63, "temperature": 1}, {"seed": 2 ** 63 - 1, "temperature": 1},
+    {"top_k": 129_279, "temperature": 1}, {"top_k": 2 ** 62, "temperature": 1},
+    {"top_p": 1e-300, "temperature": 1}, {"temperature": 2}, {"stop": ["\x00"]}, {"user": "u" * 100_000},
+    {"messages": [{"role": "assistant"}]}, {"messages": [{"role": "user", "content": []}]},
+    {"messages": [{"role": "user", "content": "\x00" * 1000}]},
+], ids=lambda extra: json.dumps(extra)[:40])
+def test_gateway_serves_edge_values_the_document_allows(stack, extra):
+    reply = _post_gateway(stack, CHAT | extra)
+    assert reply.status == 200, reply
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_vanishing_temperature_is_greedy(stack):
+    """1e-40 is a valid temperature; in float32 it is 0, and logits / 0 used to make every token '!'."""
+    greedy = _post_gateway(stack, CHAT | {"max_tokens": 6, "temperature": 0}).json()
+    for temperature in (1e-300, 5e-324, 1e-40, 1e-35):
+        reply = _post_gateway(stack, CHAT | {"max_tokens": 6, "temperature": temperature}).json()
+        assert reply["choices"][0]["message"] == greedy["choices"][0]["message"], temperature
+
+
 def test_bad_completion_requests_and_bodies_write_nothing(stack):
     wait_for_saves(stack)
     before = stored(stack)
