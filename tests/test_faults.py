@@ -185,12 +185,10 @@ async def test_kvstore_killed_mid_saves_leaves_no_torn_entry_and_hits_resume_aft
     finally:
         await asyncio.to_thread(stack.restart, "kvstore")
     await asyncio.to_thread(wait_for_saves, stack)
-    hits = 0
-    for content, answer in zip(contents, answers):
+    for content, answer, saved in zip(contents, answers, found):
         text, usage = await asyncio.to_thread(chat, stack, content)
         assert text == answer  # a hit or a miss, never a different answer
-        hits += usage.prompt_cache_hit_tokens > 0
-    assert hits >= 2  # at least the saves published before the kill are hits again
+        assert usage.prompt_cache_hit_tokens >= saved  # what was saved before the kill is hit again
 
 
 @pytest.fixture
