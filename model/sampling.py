@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +33,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@partial(jax.jit, static_argnames=("top_k",))
-def _sample(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: int) -> jax.Array:
+@jax.jit
+def _sample(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """top_k is traced (0 = no cut), so a client choosing new values never triggers a recompile."""
     logits_V = logits_V.astype(jnp.float32) / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits_V, top_k)[0][-1]
-        logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
     order_V = jnp.argsort(-logits_V)
     sorted_V = logits_V[order_V]
+    rank_V = jnp.arange(sorted_V.shape[0])
+    sorted_V = jnp.where((top_k > 0) & (rank_V >= top_k), -jnp.inf, sorted_V)
     probs_V = jax.nn.softmax(sorted_V)
     # Keep the smallest set whose mass reaches top_p (the first token always stays).
     drop_V = (jnp.cumsum(probs_V) - probs_V) >= top_p
@@ -65,4 +64,4 @@ class Sampler:
         key = jax.random.fold_in(self._key, self._step)
         self._step += 1
         return int(_sample(jnp.asarray(logits_V), key, jnp.float32(p.temperature), jnp.float32(p.top_p),
-                           p.top_k))
+                           jnp.int32(min(p.top_k, np.iinfo(np.int32).max))))
