@@ -256,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="ttft_bench", help="JSON name under bench/out/")
     parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNGs")
     parser.add_argument("--report-from", default="", help="only re-render the report from this run's JSON")
+    parser.add_argument("--note", action="append", default=[], help="a line added to the report (repeatable)")
     args = parser.parse_args(argv)
     if args.report_from:
         result = json.loads(Path(args.report_from).read_text())
+        result["notes"] = result.get("notes", []) + args.note
         result["summary"] = summarize(result)
         write_report(result, result.get("command", COMMAND))
         print(tables(result))
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     command = (COMMAND + " " + " ".join(shown)).strip()
     result = measure(args)
     result["command"] = command
+    result["notes"] = args.note
     path = report.write_json(args.name, result)
     say(f"wrote {path}")
     print(tables(result))
