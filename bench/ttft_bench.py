@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.url and not (args.admin_token and args.model_dir):
         parser.error("--url needs --admin-token and --model-dir (the lower bound runs that model in-process)")
-    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--no-report",)]
+    given = list(argv if argv is not None else sys.argv[1:])
+    notes = {i for i, a in enumerate(given) if a == "--note"}
+    shown = [a for i, a in enumerate(given)  # the command as the report shows it: without notes
+             if a != "--no-report" and i not in notes and i - 1 not in notes and not a.startswith("--note=")]
     command = (COMMAND + " " + " ".join(shown)).strip()
     result = measure(args)
     result["command"] = command

@@ -158,9 +158,10 @@ def write_report(result: dict, command: str) -> None:
         f"L - {result['suffix']} tokens of prefix + a {result['suffix']}-token new suffix, fresh random token ids "
         f"per repeat. Cold hit = page cache dropped first"
         + ("" if result["cold_is_cold"] else " (NOT dropped in this run: cold = warm)") + ". "
-        f"Median (min-max) of {result['repeats']} repeats{_fewer_misses(result)}. Lower bound = max(prefix bytes / raw device bandwidth "
-        f"({raw['gbps']:.2f} GB/s, best of dd iflag=direct {raw['dd_gbps']:.2f} and 8 parallel O_DIRECT readers "
-        f"{raw['parallel_gbps']:.2f}, same run, same device), suffix compute with the prefix already in RAM "
+        f"Median (min-max) of {result['repeats']} repeats{_fewer_misses(result)}. "
+        f"Lower bound = max(prefix bytes / raw device bandwidth ({raw['gbps']:.2f} GB/s, best of dd "
+        f"iflag=direct {raw['dd_gbps']:.2f} and 8 parallel O_DIRECT readers {raw['parallel_gbps']:.2f}, "
+        "same run, same device), suffix compute with the prefix already in RAM "
         "(in-process ModelRunner, same weights)). transformers = DeepseekV3ForCausalLM, CPU float32 sdpa, "
         + ("the same weights (converted with model/convert.py); " if result["same_weights"] else
            "same shapes, its own random weights; ")
