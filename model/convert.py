@@ -11,6 +11,7 @@ import os
 import struct
 from pathlib import Path
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -169,7 +170,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
             if tuple(array.shape) != tuple(value.shape):
                 raise ValueError(f"{hf_dir}: tensor for {path} has shape {tuple(array.shape)}, "
                                  f"expected {tuple(value.shape)}")
-            filled[key] = np.asarray(array, dtype=value.dtype)
+            filled[key] = jnp.asarray(np.asarray(array, dtype=value.dtype))  # a device array, C order
             shapes[path] = array.shape
             bar.update()
         return filled

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -95,7 +96,9 @@ def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
             if stored[name] != shape:
                 raise ValueError(f"checkpoint {path}: tensor {name} has shape {stored[name]}, expected {shape}")
         restored = checkpointer.restore(path / "params", target)
-    nnx.replace_by_pure_dict(state, restored)
+    # orbax hands back what was saved: numpy arrays for a converted model. As jit arguments those
+    # would be copied to the device on every call, so place every parameter on the device once.
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, restored))
     model = nnx.merge(graphdef, state)
     digest = meta["weights_digest"]
     if cfg.param_dtype != saved_cfg.param_dtype:
