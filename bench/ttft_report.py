@@ -125,10 +125,14 @@ def goals(result: dict) -> list[str]:
     worst = max(result["summary"], key=lambda r: r["cold_vs_bound"])
     cold = ", ".join(f"{_k(r['tokens'])} {r['cold_vs_bound']:.2f}x" for r in result["summary"])
     warm = ", ".join(f"{_k(r['tokens'])} {r['warm_vs_bound']:.2f}x" for r in result["summary"])
-    lines.append(f"- hit TTFT / lower bound: cold {cold}; warm {warm}; goal <= {GOAL_LOWER_BOUND_RATIO:g}x: "
-                 f"{'met' if worst['cold_vs_bound'] <= GOAL_LOWER_BOUND_RATIO else 'NOT met'} everywhere (cold)")
     cpu = [(r, r["cold_cpu"]["median"] / r["compute_cpu"]["median"]) for r in result["summary"]
            if r.get("cold_cpu") and r.get("compute_cpu")]
+    # Doing the same work, the engine cannot need much less CPU than the in-process bound run did.
+    bound_ok = all(x >= 0.8 for _, x in cpu)
+    verdict = ("met" if worst["cold_vs_bound"] <= GOAL_LOWER_BOUND_RATIO else "NOT met") + " everywhere (cold)"
+    lines.append(f"- hit TTFT / lower bound: cold {cold}; warm {warm}; goal <= {GOAL_LOWER_BOUND_RATIO:g}x: "
+                 + (verdict if bound_ok else "not judged: the in-process compute that sets the bound used more CPU "
+                    "than the engine's whole hit, so the bound is not one in this run"))
     if cpu:
         lines.append("- contention-free check, CPU seconds: engine during a cold hit / in-process suffix compute "
                      "with the prefix in RAM: " + ", ".join(f"{_k(r['tokens'])} {x:.2f}x" for r, x in cpu)
@@ -136,7 +140,8 @@ def goals(result: dict) -> list[str]:
     if any(r["cold_vs_bound"] < 1 for r in result["summary"]):
         lines.append("- a ratio to the bound below 1 is not a hit beating physics: the bound's compute term is "
                      "wall time measured in-process minutes earlier, under a different load from other work on "
-                     "this shared machine; the CPU-second check above is the comparison that load does not bend")
+                     "this shared machine; the CPU-second check above is the comparison that load does not bend "
+                     "(where it is below 1 too, the in-process run itself was slower than the engine)")
     return lines
 
 
