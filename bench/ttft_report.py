@@ -135,7 +135,8 @@ def goals(result: dict) -> list[str]:
                     "than the engine's whole hit, so the bound is not one in this run"))
     if cpu:
         lines.append("- CPU-second check (less bent by other work than wall time, not immune to it): engine during a "
-                     "cold hit / in-process suffix compute with the prefix in RAM: " + ", ".join(f"{_k(r['tokens'])} {x:.2f}x" for r, x in cpu)
+                     "cold hit / in-process suffix compute with the prefix in RAM: "
+                     + ", ".join(f"{_k(r['tokens'])} {x:.2f}x" for r, x in cpu)
                      + " (1 = the hit costs exactly the suffix compute; loading adds nothing on the CPU)")
     if any(r["cold_vs_bound"] < 1 for r in result["summary"]):
         lines.append("- a ratio to the bound below 1 is not a hit beating physics: the bound's compute term is "
