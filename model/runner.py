@@ -91,7 +91,7 @@ def _grow(cache_SA: jax.Array, capacity: int) -> jax.Array:
     return jnp.pad(cache_SA, ((0, capacity - cache_SA.shape[0]), (0, 0)))
 
 
-@jax.jit
+@partial(jax.jit, donate_argnums=(0,))
 def _place(cache_SA: jax.Array, latents_PA: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(cache_SA, latents_PA.astype(cache_SA.dtype), (0, 0))
 

@@ -25,7 +25,7 @@ class EngineConfig:
     index_prefix: str = field(default="dikv", metadata={"help": "key prefix of the prefix index"})
     budget_bytes: int = field(default=0, metadata={"help": "per-volume byte budget (0 = unlimited)"})
     block_tokens: int = field(default=64, metadata={"help": "tokens per cached block"})
-    read_ahead: int = field(default=2, metadata={"help": "layers read ahead of compute on a hit"})
+    read_ahead: int = field(default=4, metadata={"help": "layers read ahead of compute on a hit (kv_bench: 4)"})
     save: bool = field(default=True, metadata={"help": "save new blocks after each request"})
     chunk_tokens: int = field(default=512, metadata={"help": "prefill chunk size, tokens"})
     concurrency: int = field(default=2, metadata={"help": "requests generating at once (steps interleave)"})
