@@ -56,7 +56,7 @@ def _field(body: dict, name: str, kind, default=None, required: bool = False):
     return value
 
 
-def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int) -> Job:
+def parse_job(body: object, fingerprint: str, block_tokens: int) -> Job:
     if not isinstance(body, dict):
         raise BadJob("the body must be a JSON object")
     tokens = _field(body, "tokens", list, required=True)
@@ -69,14 +69,12 @@ def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int
         raise BadJob(f"'retention' must be one of {RETENTION_CLASSES}", "retention")
     try:
         stop = tuple(int(t) for t in _field(body, "stop_token_ids", list, []))
-        top_k = _field(body, "top_k", int, 0)
-        # A cut at or beyond the vocabulary keeps every token; jax's top_k would reject it.
-        top_k = 0 if top_k >= vocab_size else top_k
         temperature = _field(body, "temperature", float, 0.0)
         temperature = 0.0 if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
         params = SamplingParams(max_tokens=_field(body, "max_tokens", int, 16),
                                 temperature=temperature,
-                                top_p=_field(body, "top_p", float, 1.0), top_k=top_k,
+                                top_p=_field(body, "top_p", float, 1.0),
+                                top_k=_field(body, "top_k", int, 0),
                                 seed=_field(body, "seed", int, None), stop_token_ids=stop)
     except (TypeError, ValueError) as error:
         raise BadJob(str(error)) from None
@@ -176,7 +174,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return _error(400, "the body is not valid JSON")
     try:
-        job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens, state.loaded.config.vocab_size)
+        job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens)
         state.generator.check(job.tokens, job.params)
     except BadJob as error:
         return _error(400, str(error), error.param)
