@@ -136,9 +136,16 @@ async def test_corrupt_block_is_a_miss_from_there_on(store, index, tmp_path):
     path = next(p for p in tmp_path.glob(f"ssd*/{segment_key(run.segment)}"))
     # layer 2, block 1: bytes [off + (2 * 4 + 1) * block_bytes, ...)
     _flip_byte(path, run.data_offset + (2 * 4 + 1) * GEOMETRY.block_bytes + 999)
+    want = latents(4, 7)
     layers, valid = await read_all(store, hit)
     assert valid == 16  # only block 0 survives
-    assert layers[0].shape[0] == 64 and layers[3].shape[0] == 16
+    # A layer handed out before the failure was seen keeps all 64 rows, one read ahead of it may
+    # already be cut to 16 (read-ahead timing); from the failing layer on, every layer has 16.
+    # Either way the caller uses `valid` rows, and those are the stored ones.
+    assert all(layer.shape[0] in (16, 64) for layer in layers[:2])
+    assert all(layer.shape[0] == 16 for layer in layers[2:])
+    for got, expected in zip(layers, want):
+        assert np.array_equal(got[:valid].view(np.uint16), expected[:valid].view(np.uint16))
     assert store.stats.verification_failures == 1
     assert (await index.lookup(hashes)).blocks == 1  # the bad entry is gone
 
