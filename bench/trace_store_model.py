@@ -9,10 +9,11 @@ real BlockStore on real volumes and a real Valkey):
               silently when nothing is left to evict); VolumeLedger.add, then PrefixIndex.publish
               (a block's entry points at the newest segment that saved it).
   lookup      PrefixIndex.lookup: the longest leading run of blocks with an index entry.
-  touch       BlockStore.prefetch -> VolumeLedger.touch: every segment of the hit is now most recent.
+  touch       BlockStore.prefetch -> VolumeLedger.touch: every segment of the hit is now most recent,
+              the chain's first segment the most recent of all (a prefix loses its tail first).
   retire      Capacity.retire: entries still pointing at the segment go, its bytes stop counting.
-Time is a logical clock (one tick per event), so "least recently hit" is exact; in Redis equal
-millisecond scores are ordered by the random segment id instead.
+Time is a logical clock (one tick per event), so "least recently hit" is exact; the ledger's
+microsecond stamps give the same order for events a Redis round trip apart.
 Blocks are integer keys (bench.trace_format); bytes come from the real BlockStore formula.
 """
 from __future__ import annotations
@@ -69,18 +70,19 @@ class StoreModel:
             self._sizes[blocks] = segment_bytes(self.geometry, blocks)
         return self._sizes[blocks]
 
-    def lookup(self, keys: Sequence[int]) -> tuple[int, set[int]]:
-        """(blocks in the longest leading run present, the segments holding them)."""
-        segments, index = set(), self.index
+    def lookup(self, keys: Sequence[int]) -> tuple[int, list[int]]:
+        """(blocks in the longest leading run present, the segments holding them in chain order)."""
+        segments, index = {}, self.index
         for n, key in enumerate(keys):
             segment = index.get(key)
             if segment is None:
-                return n, segments
-            segments.add(segment)
-        return len(keys), segments
+                return n, list(segments)
+            segments[segment] = None
+        return len(keys), list(segments)
 
-    def touch(self, segments: set[int]) -> None:
-        for segment in segments:
+    def touch(self, segments: Sequence[int]) -> None:
+        """The hit's segments in chain order become most recent, the chain's first one last."""
+        for segment in reversed(segments):
             record = self.segments.get(segment)
             if record is not None:
                 self.lru[record.volume].move_to_end(segment)

@@ -4,7 +4,7 @@ Key layout (all keys of one volume share the hash tag {vol:<id>}, so each update
 script on one shard, in a cluster too):
   p:{vol:<id>}:segs   hash  segment -> "<root hex>|<bytes>|<tenant>"   (live segments)
   p:{vol:<id>}:used   int   sum of the live segments' bytes
-  p:{vol:<id>}:lru    zset  segment -> last hit (unix ms)
+  p:{vol:<id>}:lru    zset  segment -> last hit (unix ms, microsecond resolution)
   p:{vol:<id>}:grave  zset  segment -> earliest time its bytes may be deleted (unix ms)
 """
 from __future__ import annotations
@@ -41,8 +41,10 @@ class SegmentRecord(NamedTuple):
     tenant: str
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+def _now_ms() -> float:
+    """Unix time in ms with microsecond resolution: two ledger updates a Redis round trip apart
+    never tie (a tie would order them by segment name, not by time)."""
+    return round(time.time() * 1000, 3)
 
 
 class VolumeLedger:
@@ -68,13 +70,19 @@ class VolumeLedger:
         await self._add(keys=[segs, used, lru], args=[record.segment, value, record.bytes, _now_ms()])
 
     async def touch(self, hits: Sequence[tuple[str, str]]) -> None:
-        """Record a hit on each (volume, segment) now; unknown segments are ignored."""
-        if not hits:
+        """Record a hit on each (volume, segment) now; unknown segments are ignored.
+
+        `hits` is in chain order. The earlier a segment is in the chain the more recent its stamp
+        (1 us apart), so that under pressure a prefix loses its tail first: losing a late block
+        only shortens the next hit, losing an early one ends it there.
+        """
+        ordered = list(dict.fromkeys(hits))
+        if not ordered:
             return
         pipe = self.redis.pipeline(transaction=False)
         now = _now_ms()
-        for volume, segment in set(hits):
-            pipe.zadd(self._keys(volume)[2], {segment: now}, xx=True, gt=True)
+        for age, (volume, segment) in enumerate(reversed(ordered)):
+            pipe.zadd(self._keys(volume)[2], {segment: round(now + age / 1000, 3)}, xx=True, gt=True)
         await pipe.execute()
 
     async def used(self, volumes: Sequence[str]) -> dict[str, int]:

@@ -33,6 +33,23 @@ async def test_eviction_keeps_budget_and_recently_hit(tmp_path, index):
 
 
 
+async def test_a_hit_prefix_loses_its_tail_first(tmp_path, index):
+    """A 12-block chain in three 4-block segments, hit: under pressure its last segment goes
+    first (the hit shrinks to 8 blocks), never its first (that would end every later hit)."""
+    seg_bytes = 4096 + 4 * GEOMETRY.num_layers * GEOMETRY.block_bytes
+    store = await open_store(tmp_path, index, n_volumes=1, budget_bytes=int(3.5 * seg_bytes))
+    try:
+        chain = block_hashes(prompt(12, 40), FP, "t", 16)
+        await store.save(chain, latents(12, 40))
+        await read_all(store, await index.lookup(chain))
+        await asyncio.sleep(0.05)  # the touch is recorded in the background
+        await store.save(block_hashes(prompt(4, 41), FP, "t", 16), latents(4, 41))
+        assert (await index.lookup(chain)).blocks == 8
+        assert store.stats.evictions == 1
+    finally:
+        await store.close()
+
+
 async def test_sweep_reclaims_expired(store, index, tmp_path):
     hashes = block_hashes(prompt(2, 30), FP, "t", 16)
     store.retention.classes["short"] = 1
