@@ -201,6 +201,17 @@ def metric(url: str, series: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split(" ")[0] == series)
 
 
+def metric_total(url: str, name: str) -> float:
+    """Sum of every sample of metric `name` at url/metrics, whatever its labels; 0 if none."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split(" ")[0].split("{")[0] == name)
+
+
 def engines_metric(stack: Stack, series: str) -> float:
     return sum(metric(url, series) for url in stack.engine_urls)
 

@@ -18,8 +18,8 @@ from kvstore.segment import decode_header
 from services.launcher import StackConfig
 from tests.conftest import free_port
 from tests.fault_stack import (B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat, client,
-                               engines_metric, free_ports, metric, prompt, read_saved_prefixes, segment_files, streamed,
-                               wait_for_saves)
+                               engines_metric, free_ports, metric, metric_total, prompt, read_saved_prefixes,
+                               segment_files, streamed, wait_for_saves)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -280,55 +280,88 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
             assert "engine" in error.message.lower(), error.message
             return "stream error"
 
-    def active() -> list[int]:
-        return [admin_json(stack, url + "/admin/stats")["in_flight"] for url in stack.engine_urls]
+    def load() -> list[tuple[int, int]]:
+        """(generating, waiting for a slot) per engine."""
+        stats = [admin_json(stack, url + "/admin/stats") for url in stack.engine_urls]
+        return [(s["in_flight"], s["waiting"]) for s in stats]
 
-    async def until(condition, what: str) -> None:
-        deadline = time.monotonic() + 60
+    def first_tokens(i: int) -> float:
+        return metric_total(stack.engine_urls[i], "deepinfer_engine_ttft_seconds_count")
+
+    async def until(condition, what: str, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
         while not await asyncio.to_thread(condition):
             assert time.monotonic() < deadline, what
             await asyncio.sleep(0.05)
 
-    def failures(reason: str) -> float:
-        series = f'gateway_engine_failures_total{{engine="{stack.engine_urls[0]}",reason="{reason}"}}'
+    async def landed(name: str, content: str, stream: bool, running: list[int]) -> int:
+        """Start request `name`, wait until it generates on an engine (first token out); that engine."""
+        ttfts = [first_tokens(i) for i in range(2)]
+        tasks[name] = asyncio.create_task(ask(name, content, 8000, stream))
+        placed = []
+
+        def generating() -> bool:
+            now = [generating for generating, _ in load()]
+            grew = [i for i in range(2) if now[i] > running[i] and first_tokens(i) > ttfts[i]]
+            placed[:] = grew
+            return len(grew) == 1
+        await until(generating, f"{name} did not start generating on one engine")
+        running[placed[0]] += 1
+        return placed[0]
+
+    def failures(engine: int, reason: str) -> float:
+        series = f'gateway_engine_failures_total{{engine="{stack.engine_urls[engine]}",reason="{reason}"}}'
         return metric(stack.gateway_url, series)
 
-    before = {reason: failures(reason) for reason in ("unavailable", "mid_generation")}
-    # The gateway sends each request to the engine with the fewest of its requests in flight, ties to the
-    # engine that reported fewer at its last probe (every 2 s), then to engine0. So: a stream on each
-    # engine, then a non-streamed request on each; with both engines' two slots busy, the long prompt
-    # goes to engine0 and waits there, before its first token.
-    tasks = {}
-    for i, name in enumerate(("stream0", "stream1")):
-        tasks[name] = asyncio.create_task(ask(name, prompt(f"engine-kill-{name}"), 8000, True))
+    # Two streams and two non-streamed requests generating, spread over both engines (the gateway picks
+    # the engine with fewer requests in flight), which fills both engines' two slots; then one more
+    # request, queued on one of them before its first token. That engine is killed. Where each request
+    # went is observed (engine stats and first-token counts), not assumed from the routing's tie-breaks.
+    tasks, on = {}, {}
+    running = [generating for generating, _ in load()]
+    assert running == [0, 0], running
+    for name in ("stream-a", "stream-b"):
+        on[name] = await landed(name, prompt(f"engine-kill-{name}"), True, running)
         await asyncio.wait_for(started[name].wait(), 60)
-        await until(lambda: active()[i] == 1, f"{name} is not on engine{i}")
-    await asyncio.sleep(2.5)
-    for name in ("whole0", "whole1"):
-        tasks[name] = asyncio.create_task(ask(name, prompt(f"engine-kill-{name}"), 8000, False))
-        await asyncio.sleep(0.5)
-    await until(lambda: active() == [2, 2], "the non-streamed requests did not spread over both engines")
-    await asyncio.sleep(2.5)
+    for name in ("whole-a", "whole-b"):
+        on[name] = await landed(name, prompt(f"engine-kill-{name}"), False, running)
+    assert running == [2, 2] and sorted(on.values()) == [0, 0, 1, 1], (running, on)
     tasks["queued"] = asyncio.create_task(ask("queued", prompt("engine-kill-queued", 1000), 8, False))
-    await asyncio.sleep(1.0)
+    waiting = []
+
+    def queued() -> bool:
+        waiting[:] = [i for i, (_, w) in enumerate(load()) if w == 1]
+        return len(waiting) == 1
     try:
-        stack.kill("engine0")
-        outcomes = {name: await asyncio.wait_for(tasks[name], 60) for name in ("stream0", "whole0")}
-        for name in ("stream1", "whole1"):  # free engine1's slots for the retried request
+        await until(queued, "the last request is not waiting on an engine")
+    except AssertionError:
+        for task in tasks.values():
+            task.cancel()
+        await aclient.close()
+        raise
+    victim = waiting[0]
+    doomed = {name for name, engine in on.items() if engine == victim}
+    survivors = set(on) - doomed
+    before = {reason: failures(victim, reason) for reason in ("unavailable", "mid_generation")}
+    try:
+        stack.kill(f"engine{victim}")
+        outcomes = {name: await asyncio.wait_for(tasks[name], 60) for name in doomed}
+        for name in survivors:  # free the other engine's slots for the retried request
             tasks[name].cancel()
         outcomes["queued"] = await asyncio.wait_for(tasks["queued"], 90)
-        print("outcomes after killing engine0:", outcomes)
-        # Had tokens when engine0 died: a clear error, streamed or not. Had none: retried on engine1.
-        assert outcomes == {"stream0": "stream error", "whole0": "503", "queued": "ok"}
-        assert failures("mid_generation") >= before["mid_generation"] + 2
-        assert failures("unavailable") > before["unavailable"]
-        for i in range(2):  # engine0 is out of the rotation: nothing more fails
+        print(f"outcomes after killing engine{victim}:", outcomes)
+        # Had tokens when the engine died: a clear error, streamed or not. Had none: retried elsewhere.
+        expected = {name: "stream error" if name.startswith("stream") else "503" for name in doomed}
+        assert outcomes == expected | {"queued": "ok"}
+        assert failures(victim, "mid_generation") >= before["mid_generation"] + 2
+        assert failures(victim, "unavailable") > before["unavailable"]
+        for i in range(2):  # the dead engine is out of the rotation: nothing more fails
             await asyncio.to_thread(chat, stack, prompt(f"engine-kill-after-{i}"), 4, 60)
     finally:
         for task in tasks.values():
             task.cancel()
         await aclient.close()
-        await asyncio.to_thread(stack.restart, "engine0")
+        await asyncio.to_thread(stack.restart, f"engine{victim}")
 
 
 def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_entry(stack):
@@ -345,8 +378,15 @@ def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_en
     stack.restart("engine0", mounted)
     content = prompt("sigterm-engine")
     try:
+        # Both engines idle, and probed idle by the gateway (every 2 s): engine0, the first of
+        # equals, takes the request.
+        deadline = time.monotonic() + 60
+        while any(admin_json(stack, url + "/admin/stats")["in_flight"] for url in stack.engine_urls):
+            assert time.monotonic() < deadline, "the engines never went idle"
+            time.sleep(0.1)
+        time.sleep(4.5)  # two polls
         asking = threading.Thread(target=ask, args=("engine", content, 400))
-        asking.start()  # both engines idle: engine0 (the first of equals) takes it
+        asking.start()
         deadline = time.monotonic() + 60
         while not admin_json(stack, stack.engine_urls[0] + "/admin/stats")["in_flight"]:
             assert time.monotonic() < deadline, "the request never reached engine0"
