@@ -188,13 +188,13 @@ class ModelRunner:
         buf = cache.layers[layer]
         queries = []
         for i, x_TD in enumerate(chunks):
-            q_nope_NTH, q_pe_NTR, buf = _project(graphdef, state, x_TD, buf, jnp.int32(start + i * T))
+            q_nope_NTH, q_pe_NTR, buf = _project(graphdef, state, x_TD, buf, np.int32(start + i * T))
             queries.append((q_nope_NTH, q_pe_NTR))
         full_view = self._view(cache, start + span)
         absorbed = (prefer_absorbed(self.cfg, span, full_view) if self.attention == "auto"
                     else self.attention == "absorbed")
         expanded = None if absorbed else _expand(graphdef, state, buf, full_view)
-        out = [_finish(graphdef, state, x_TD, *queries[i], buf, jnp.int32(start + i * T),
+        out = [_finish(graphdef, state, x_TD, *queries[i], buf, np.int32(start + i * T),
                        self._view(cache, start + (i + 1) * T), expanded)
                for i, x_TD in enumerate(chunks)]
         cache.layers[layer] = buf
@@ -207,7 +207,7 @@ class ModelRunner:
 
     def logits(self, x_TD: jax.Array, index: int) -> jax.Array:
         graphdef, state = self.head
-        return _head(graphdef, state, x_TD, jnp.int32(index))
+        return _head(graphdef, state, x_TD, np.int32(index))
 
     # -- whole passes --
 
@@ -248,8 +248,8 @@ class ModelRunner:
         absorbed = self.attention != "expanded"
         layer_defs = tuple(graphdef for graphdef, _ in self.layers)
         logits, buffers = _decode(layer_defs, self.head[0], self.embed_VD, [state for _, state in self.layers],
-                                  self.head[1], cache.layers, jnp.int32(token), view, absorbed,
-                                  jnp.int32(cache.length))
+                                  self.head[1], cache.layers, np.int32(token), view, absorbed,
+                                  np.int32(cache.length))
         cache.layers = list(buffers)
         cache.length += 1
         return np.asarray(logits)
