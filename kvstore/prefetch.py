@@ -103,6 +103,14 @@ class Prefetch:
             if not fut.done():
                 fut.set_result(empty)
 
+    def ready(self, layer: int) -> bool:
+        """Whether layer(layer) has its result. Callable from any thread (it reads a flag)."""
+        return self._layers[layer].done()
+
+    def result(self, layer: int) -> np.ndarray:
+        """The result of a ready layer, without a trip through the event loop (any thread)."""
+        return self._layers[layer].result()
+
     async def layer(self, layer: int) -> np.ndarray:
         """(tokens, latent_dim) latents of `layer`; tokens <= hit.blocks * block_tokens."""
         return await asyncio.shield(self._layers[layer])

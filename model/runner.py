@@ -213,11 +213,15 @@ class ModelRunner:
 
     def prefill(self, tokens: np.ndarray | list[int], cache: LatentCache | None = None, start: int = 0,
                 load_prefix: LayerLoader | None = None, chunk_tokens: int | None = None,
-                reserve: int = 0) -> Prefill:
+                reserve: int = 0, prefix_ready: Callable[[int], bool] | None = None) -> Prefill:
         """Computes tokens at positions [start, start+n) over a cache whose rows [0, start) are the prefix.
 
         load_prefix(l), when given, supplies layer l's prefix latents (start, A) just before layer l of
         the first chunk runs, so reading layer l+1 from disk overlaps computing layer l.
+        prefix_ready(l), when given, says whether load_prefix(l) would return at once: then the layers
+        already queued keep running while layer l is queued behind them (no wait, so no stall to
+        measure); otherwise they are finished first, so that the time load_prefix blocks is exactly
+        the time compute waits for disk.
         """
         tokens = np.asarray(tokens, np.int64)
         self.check_tokens(tokens, start, reserve)
@@ -232,9 +236,8 @@ class ModelRunner:
         chunks = [self.embed(padded[i * T:(i + 1) * T]) for i in range(count)]
         for layer in range(self.cfg.num_layers):
             if load_prefix is not None:
-                # Finish the layers already queued first, so the time load_prefix blocks is
-                # exactly the time compute waits for disk (the prefetch stall).
-                jax.block_until_ready(chunks)
+                if prefix_ready is None or not prefix_ready(layer):
+                    jax.block_until_ready(chunks)
                 cache.place_prefix(layer, load_prefix(layer))
             chunks = self.layer(layer, chunks, cache, start)
         cache.length = start + n

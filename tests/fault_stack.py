@@ -116,6 +116,9 @@ class SlowLink:
         self._thread.join(5)
 
 
+SILENCE_S = 10.0  # the fault stack's gateway --first-token-timeout-s
+
+
 class FaultStack(Stack):
     """The launcher's Stack, remembering each process's command line so that a test restarts
     exactly what it killed, with the engines' kvstore URL pointing through a SlowLink."""
@@ -129,6 +132,12 @@ class FaultStack(Stack):
         args = list(args)
         if "--kvstore-url" in args:
             args[args.index("--kvstore-url") + 1] = self.link.url
+        # A short silence timeout (engines beat twenty times within it), so a stopped engine is
+        # failed over in seconds.
+        if module == "services.engine" and "--heartbeat-s" not in args:
+            args += ["--heartbeat-s", "0.5"]
+        if module == "services.gateway" and "--first-token-timeout-s" not in args:
+            args += ["--first-token-timeout-s", str(SILENCE_S)]
         self.commands[name] = (module, args)
         super()._spawn(name, module, args)
 

@@ -1,5 +1,6 @@
 """The engine as a real process: misses, hits through the real index and volumes, bad input, queueing."""
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from kvstore import PrefixIndex, block_hashes, open_redis
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
 from model.weights import load_model
+from services.gateway.engine_client import EngineClient
 from tests.conftest import free_port
 
 ADMIN = {"Authorization": "Bearer engine-admin"}
@@ -26,7 +28,7 @@ def engine(tmp_path_factory, valkey_server):
     args = [sys.executable, "-m", "services.engine", "--port", str(port), "--preset", "tiny",
             "--models-dir", str(tmp / "models"), "--volume", str(tmp / "v0"), "--volume", str(tmp / "v1"),
             "--redis-url", valkey_server.connection_url, "--index-prefix", "enginetest",
-            "--admin-token", "engine-admin", "--concurrency", "1", "--max-queue", "1"]
+            "--admin-token", "engine-admin", "--concurrency", "1", "--max-queue", "1", "--heartbeat-s", "0.2"]
     log = open(tmp / "engine.log", "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     url = f"http://127.0.0.1:{port}"
@@ -52,7 +54,6 @@ async def _generate(url: str, job: dict) -> tuple[int, list[dict]]:
         async with session.post(url + "/internal/generate", json=job) as r:
             if r.status != 200:
                 return r.status, [await r.json()]
-            import json
             return 200, [json.loads(line) for line in (await r.text()).splitlines() if line.strip()]
 
 
@@ -145,3 +146,29 @@ async def test_health_metrics_and_admin_auth(engine):
         async with session.get(url + "/metrics") as r:
             text = await r.text()
         assert "deepinfer_engine_ttft_seconds" in text and "deepinfer_engine_prefill_tokens_total" in text
+
+
+async def test_progress_events_keep_a_long_wait_alive_under_a_short_read_timeout(engine):
+    """A request queued behind a long one for several times the gateway client's read timeout
+    still completes: the engine's progress events every heartbeat (0.2 s here) are what the
+    client reads meanwhile; they never count as tokens."""
+    url, _, _ = engine
+    async with aiohttp.ClientSession() as session:
+        patient = EngineClient(url, session, admin_token="", connect_timeout_s=2.0, read_timeout_s=1.0)
+        blocker = await session.post(url + "/internal/generate", json={"tokens": [5, 6, 7], "max_tokens": 2000})
+        try:
+            while json.loads(await blocker.content.readline())["type"] != "token":
+                pass  # the slot is taken once the blocker's first token is out
+
+            async def queued_request() -> list:
+                async with patient.generate({"request_id": "hb", "tokens": [8, 9, 10], "max_tokens": 3}) as events:
+                    return [event async for event in events]
+            queued = asyncio.create_task(queued_request())
+            await asyncio.sleep(3.0)  # three read timeouts of waiting for the slot
+            assert not queued.done()
+            blocker.close()  # frees the slot
+            got = await asyncio.wait_for(queued, 60)
+        finally:
+            blocker.close()
+    assert [type(e).__name__ for e in got] == ["TokenEvent"] * 3 + ["DoneEvent"]
+    assert got[-1].finish_reason == "length" and got[-1].prompt_tokens == 3

@@ -17,9 +17,9 @@ from openai import APIError, APIStatusError, AsyncOpenAI
 from kvstore.segment import decode_header
 from services.launcher import StackConfig
 from tests.conftest import free_port
-from tests.fault_stack import (B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat, client,
-                               engines_metric, free_ports, metric, metric_total, prompt, read_saved_prefixes,
-                               segment_files, streamed, wait_for_saves)
+from tests.fault_stack import (SILENCE_S, B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat,
+                               client, engines_metric, free_ports, metric, metric_total, prompt,
+                               read_saved_prefixes, segment_files, streamed, wait_for_saves)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -362,6 +362,36 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
             task.cancel()
         await aclient.close()
         await asyncio.to_thread(stack.restart, f"engine{victim}")
+
+
+def test_a_stopped_engine_is_failed_over_after_its_silence_timeout(stack):
+    """SIGSTOP: the engine accepts connections (the kernel does) but says nothing. The gateway gives
+    up on it after --first-token-timeout-s of silence and retries the request on the other engine;
+    nothing waits longer than that. Engines' progress events keep working engines under it."""
+    before = metric(stack.gateway_url, f'gateway_engine_failures_total{{engine="{stack.engine_urls[0]}",'
+                                       'reason="unavailable"}')
+    stack.procs["engine0"].send_signal(signal.SIGSTOP)
+    try:
+        answers = [None, None]
+
+        def ask(i: int) -> None:
+            began = time.monotonic()
+            answers[i] = chat(stack, prompt(f"stopped-engine-{i}"), 4, timeout_s=90), time.monotonic() - began
+        askers = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for asker in askers:  # two at once: one goes to engine0 while the gateway still finds it routable
+            asker.start()
+        for asker in askers:
+            asker.join(120)
+        assert all(answer is not None for answer in answers), answers
+        slowest = max(seconds for _, seconds in answers)
+        print(f"both answered; the slower after {slowest:.1f} s (silence timeout {SILENCE_S} s)")
+        assert slowest < SILENCE_S + 30
+        after = metric(stack.gateway_url, f'gateway_engine_failures_total{{engine="{stack.engine_urls[0]}",'
+                                          'reason="unavailable"}')
+        assert after > before  # the request routed to the stopped engine was failed over, not lost
+    finally:
+        stack.procs["engine0"].send_signal(signal.SIGCONT)
+    stack.wait_routable("engine0")
 
 
 def test_sigterm_lets_in_flight_requests_finish_saves_them_and_leaves_no_torn_entry(stack):

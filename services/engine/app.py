@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 import uuid
 
 import numpy as np
@@ -182,14 +183,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(400, str(error), "tokens")
     events = state.generator.run(job)
     try:
-        first = await events.__anext__()
+        admitted = await events.__anext__()
     except QueueFull:
         return _error(503, "the engine's queue is full", kind="service_unavailable", headers={"Retry-After": "1"})
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
+    begin = time.monotonic()
+    pending: asyncio.Future | None = None
     try:
-        await response.write(json.dumps(first).encode() + b"\n")
-        async for event in events:
+        await response.write(json.dumps(admitted).encode() + b"\n")
+        while True:
+            # While the next event is slow to come (a queue, a long prefill), say so every heartbeat_s:
+            # the caller's read timeout then measures silence, not the prompt's length.
+            pending = asyncio.ensure_future(events.__anext__())
+            while not (await asyncio.wait({pending}, timeout=state.cfg.heartbeat_s))[0]:
+                beat = {"type": "progress", "phase": "working", "elapsed_s": round(time.monotonic() - begin, 1)}
+                await response.write(json.dumps(beat).encode() + b"\n")
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                break
             await response.write(json.dumps(event).encode() + b"\n")
     except (ConnectionResetError, asyncio.CancelledError):
         log.info("request %s: client went away, generation cancelled", job.request_id)
@@ -198,6 +211,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         log.exception("request %s failed", job.request_id)
         await response.write(json.dumps({"type": "error", "message": repr(error)}).encode() + b"\n")
     finally:
+        if pending is not None and not pending.done():
+            pending.cancel()  # the generation unwinds (its slot is released) before the stream closes
+            await asyncio.wait({pending})
         await events.aclose()
     await response.write_eof()
     return response

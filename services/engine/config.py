@@ -32,6 +32,9 @@ class EngineConfig:
     max_queue: int = field(default=32, metadata={"help": "requests waiting beyond that; more get 503"})
     prefetch_deadline_factor: float = field(default=1.0, metadata={
         "help": "recompute instead of waiting for disk once a load takes this many times its recompute time"})
+    heartbeat_s: float = field(default=5.0, metadata={
+        "help": "seconds between progress events while a request waits for a slot or prefills (a caller's "
+                "silence timeout then only fires on a stuck engine, never on a long prompt)"})
     admin_token: str = field(default="", metadata={"help": "bearer token for /admin/*; empty disables admin"})
     warmup: bool = field(default=True, metadata={"help": "compile common shapes before reporting ready"})
 
@@ -41,6 +44,8 @@ class EngineConfig:
         for name in ("block_tokens", "chunk_tokens", "concurrency", "read_ahead"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.kvstore_url and self.volumes:

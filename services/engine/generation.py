@@ -78,6 +78,7 @@ class Generator:
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
+            yield {"type": "progress", "phase": "queued"}  # admitted: the caller may start its response
             await self._slots.acquire()
         finally:
             self.waiting -= 1
@@ -165,6 +166,8 @@ class Generator:
 
         def load(layer: int, need: int) -> np.ndarray:
             nonlocal stall
+            if layer not in arrived and prefetch.ready(layer):
+                arrived[layer] = prefetch.result(layer)  # read ahead of compute: no wait, no loop round trip
             if layer not in arrived:
                 waited = time.perf_counter()
                 future = asyncio.run_coroutine_threadsafe(prefetch.layer(layer), loop)
@@ -184,7 +187,8 @@ class Generator:
             try:
                 if prefix:
                     result = self.runner.prefill(job.tokens[prefix:], start=prefix,
-                                                 load_prefix=lambda layer: load(layer, prefix), reserve=reserve)
+                                                 load_prefix=lambda layer: load(layer, prefix), reserve=reserve,
+                                                 prefix_ready=lambda layer: layer in arrived or prefetch.ready(layer))
                 else:
                     result = self.runner.prefill(job.tokens, reserve=reserve)
                 break

@@ -49,8 +49,10 @@ class GatewayConfig:
         "help": "seconds between reads of each engine's /readyz and /admin/stats"})
     engine_connect_timeout_s: float = field(default=2.0, metadata={
         "help": "seconds to connect to an engine"})
-    first_token_timeout_s: float = field(default=600.0, metadata={
-        "help": "seconds an engine may take to send the first token, or between two tokens"})
+    first_token_timeout_s: float = field(default=120.0, metadata={
+        "help": "seconds an engine may stay silent (no token, no progress event) before the request is failed "
+                "over; engines send progress every few seconds while a request waits or prefills, so a long "
+                "prompt never hits this"})
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests may take to finish on shutdown"})
 

@@ -1,7 +1,9 @@
 """HTTP client for one engine's internal API.
 
-POST /internal/generate streams NDJSON events: {"type": "token", "id"}, then {"type": "done",
+POST /internal/generate streams NDJSON events: {"type": "progress"} once admitted and every few
+seconds while the request waits or prefills, {"type": "token", "id"}, then {"type": "done",
 "finish_reason", "prompt_tokens", "cached_tokens", "timing"}, or {"type": "error", "message"}.
+The read timeout is a silence timeout: progress events keep a long prefill alive.
 503 + Retry-After means its queue is full; 400 carries an OpenAI-style error for bad input.
 Closing the response cancels the generation on the engine.
 """
@@ -124,6 +126,7 @@ class EngineClient:
                     return
                 elif kind == "error":
                     raise EngineUnavailable(self.url, f"engine error: {event.get('message')}")
+                # "progress": the engine is alive and working; nothing to pass on
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError,
                 TypeError) as error:
             raise EngineUnavailable(self.url, f"stream broken ({error!r})") from error
