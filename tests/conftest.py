@@ -25,6 +25,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports that are free now (the launcher numbers engine
+    replicas engine_port + i; engine_port + 1 from free_port() alone may be some connection's
+    ephemeral port)."""
+    while True:
+        first = free_port()
+        probes = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                probes.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in probes:
+                sock.close()
+
+
 @pytest.fixture(scope="session")
 def valkey_server() -> Iterator[ValkeyServer]:
     """One standalone Valkey server for the whole session."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -29,24 +28,6 @@ from tests.conftest import free_port
 
 B = 64
 WORDS = ("latent", "segment", "volume", "prefix", "suffix", "block", "tenant", "layer", "engine", "index")
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports (the launcher numbers engines engine_port + i)."""
-    while True:
-        first = free_port()
-        probes = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                probes.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in probes:
-                sock.close()
 
 
 def prompt(tag: str, words: int = 300) -> str:

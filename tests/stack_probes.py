@@ -16,7 +16,7 @@ from typing import NamedTuple
 import redis
 
 from services.launcher import Stack, StackConfig
-from tests.conftest import free_port
+from tests.conftest import free_port, free_ports
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -24,7 +24,7 @@ ADMIN_TOKEN = "test-admin-token"
 def start_tiny_stack(data_dir: Path, engines: int = 1, api_keys: str = "key-a:tenant-a,key-b:tenant-b"
                      ) -> Stack:
     cfg = StackConfig(preset="tiny", data_dir=str(data_dir), engines=engines, gateway_port=free_port(),
-                      kvstore_port=free_port(), engine_port=free_port(), redis_port=free_port(),
+                      kvstore_port=free_port(), engine_port=free_ports(engines), redis_port=free_port(),
                       api_keys=api_keys, admin_token=ADMIN_TOKEN, ready_timeout_s=400)
     return Stack(cfg, quiet=True).start()
 

@@ -16,7 +16,7 @@ from services.gateway.chat_template import ChatMessage, render_chat
 from services.gateway.token_cache import TokenCache
 from services.gateway.tokenizer import DeepSeekTokenizer
 from services.launcher import Stack, StackConfig, curl_example
-from tests.conftest import free_port
+from tests.conftest import free_port, free_ports
 
 B = 64
 SYSTEM = ("You are DeepInfer's test assistant. Follow the house rules: be brief, cite sources, never "
@@ -27,9 +27,8 @@ SYSTEM = ("You are DeepInfer's test assistant. Follow the house rules: be brief,
 def stack(tmp_path_factory):
     data = tmp_path_factory.mktemp("stack")
     cfg = StackConfig(preset="tiny", data_dir=str(data), engines=2, gateway_port=free_port(),
-                      kvstore_port=free_port(), engine_port=free_port(), redis_port=free_port(),
+                      kvstore_port=free_port(), engine_port=free_ports(2), redis_port=free_port(),
                       api_keys="key-a:tenant-a,key-b:tenant-b", ready_timeout_s=400)
-    # Two consecutive engine ports: the launcher numbers replicas engine_port + i.
     running = Stack(cfg, quiet=True).start()
     yield running
     running.stop()

@@ -16,9 +16,9 @@ from openai import APIError, APIStatusError, AsyncOpenAI
 
 from kvstore.segment import decode_header
 from services.launcher import StackConfig
-from tests.conftest import free_port
+from tests.conftest import free_port, free_ports
 from tests.fault_stack import (SILENCE_S, B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat,
-                               client, engines_metric, free_ports, metric, metric_total, prompt,
+                               client, engines_metric, metric, metric_total, prompt,
                                read_saved_prefixes, segment_files, streamed, wait_for_saves)
 
 pytestmark = pytest.mark.timeout(300)
