@@ -180,26 +180,26 @@ def admin_post(stack: Stack, url: str, body: dict) -> dict:
         return json.load(response)
 
 
-def metric(url: str, series: str) -> float:
-    """Sum of the Prometheus samples named exactly `series` (name plus labels) at url/metrics; 0 if
-    none (or the service is down)."""
+def _samples(url: str) -> list[tuple[str, float]]:
+    """(name plus labels, value) of every Prometheus sample at url/metrics; none if the service is down."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
             text = response.read().decode()
     except (urllib.error.URLError, OSError):
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split(" ")[0] == series)
+        return []
+    return [(line.split(" ")[0], float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+            if line and not line.startswith("#")]
+
+
+def metric(url: str, series: str) -> float:
+    """Sum of the Prometheus samples named exactly `series` (name plus labels) at url/metrics; 0 if
+    none (or the service is down)."""
+    return sum(value for key, value in _samples(url) if key == series)
 
 
 def metric_total(url: str, name: str) -> float:
     """Sum of every sample of metric `name` at url/metrics, whatever its labels; 0 if none."""
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except (urllib.error.URLError, OSError):
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split(" ")[0].split("{")[0] == name)
+    return sum(value for key, value in _samples(url) if key.split("{")[0] == name)
 
 
 def engines_metric(stack: Stack, series: str) -> float:
