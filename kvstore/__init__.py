@@ -48,7 +48,7 @@ The remote twin of BlockStore (same save/prefetch shape) is services.kvstore.cli
 """
 from .capacity import SweepResult
 from .geometry import CacheGeometry
-from .hashing import block_hashes
+from .hashing import block_hashes, extend_block_hashes
 from .index import PrefixIndex, open_redis
 from .location import BlockLocation, Hit, SegmentRun, miss
 from .prefetch import LayerRead, LayerSource, Prefetch
@@ -60,5 +60,5 @@ from .store import BlockStore, SaveResult, SegmentWriteError
 __all__ = [
     "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "LayerSource", "Prefetch", "PrefixIndex",
     "RetentionPolicy", "SaveResult", "SegmentReader", "SegmentRun", "SegmentWriteError", "StoreStats", "SweepResult",
-    "block_hashes", "miss", "open_redis",
+    "block_hashes", "extend_block_hashes", "miss", "open_redis",
 ]

@@ -31,9 +31,20 @@ def chain_context(fingerprint: str, tenant_salt: bytes | str) -> bytes:
 def block_hashes(tokens: Sequence[int], fingerprint: str, tenant_salt: bytes | str,
                  block_tokens: int = 64) -> list[bytes]:
     """Chained 16-byte hashes of the full blocks of `tokens`; a trailing partial block is ignored."""
+    return extend_block_hashes([], tokens, fingerprint, tenant_salt, block_tokens)
+
+
+def extend_block_hashes(hashes: Sequence[bytes], tokens: Sequence[int], fingerprint: str,
+                        tenant_salt: bytes | str, block_tokens: int = 64) -> list[bytes]:
+    """`hashes` (the chain of the first len(hashes) blocks of `tokens`) extended over every full block
+    of `tokens`: only the new blocks are hashed (a sequence growing by decode)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    n_blocks = len(tokens) // block_tokens
+    done = len(hashes)
+    n_blocks = len(tokens) // block_tokens - done
+    if n_blocks <= 0:
+        return list(hashes)
+    tokens = tokens[done * block_tokens:]
     n_used = n_blocks * block_tokens
     if isinstance(tokens, np.ndarray):
         if tokens.size and (tokens.min() < -(2**31) or tokens.max() >= 2**31):
@@ -47,8 +58,8 @@ def block_hashes(tokens: Sequence[int], fingerprint: str, tenant_salt: bytes | s
     raw = ids.tobytes()  # (n_blocks * block_tokens * 4) bytes
     context = chain_context(fingerprint, tenant_salt)
     stride = block_tokens * 4
-    parent = bytes(HASH_BYTES)
-    out = []
+    parent = hashes[-1] if done else bytes(HASH_BYTES)
+    out = list(hashes)
     blake2b = hashlib.blake2b
     for i in range(n_blocks):
         parent = blake2b(parent + context + raw[i * stride:(i + 1) * stride], digest_size=HASH_BYTES).digest()

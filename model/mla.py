@@ -68,6 +68,11 @@ class MLAttention(nnx.Module):
         """Queries of these tokens, and their latents written into the cache at [start, start+T).
 
         Returns (q_nope (N, T, H), q_pe (N, T, R) after RoPE, cache_SA)."""
+        cache_SA = jax.lax.dynamic_update_slice(cache_SA, self.latents(x_TD, positions_T), (start, 0))
+        return (*self.queries(x_TD, positions_T), cache_SA)
+
+    def queries(self, x_TD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q_nope (N, T, H), q_pe (N, T, R) after RoPE) of these tokens."""
         T, N = x_TD.shape[0], self.num_heads
         if hasattr(self, "q_proj"):
             q_TX = self.q_proj(x_TD)
@@ -75,8 +80,7 @@ class MLAttention(nnx.Module):
             q_TX = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_TD)))
         q_TNK = q_TX.reshape(T, N, self.nope_dim + self.rope_dim)
         q_pe_TNR = self._rope(q_TNK[..., self.nope_dim:], positions_T)
-        cache_SA = jax.lax.dynamic_update_slice(cache_SA, self.latents(x_TD, positions_T), (start, 0))
-        return q_TNK[..., : self.nope_dim].transpose(1, 0, 2), q_pe_TNR.transpose(1, 0, 2), cache_SA
+        return q_TNK[..., : self.nope_dim].transpose(1, 0, 2), q_pe_TNR.transpose(1, 0, 2)
 
     def expand(self, cache_SA: jax.Array, view: int, dtype) -> tuple[jax.Array, jax.Array]:
         """Keys (N, S, H + R) = [K_nope | k_pe shared by every head] and V (N, S, V) of cache rows

@@ -28,7 +28,7 @@ def engine(tmp_path_factory, valkey_server):
     args = [sys.executable, "-m", "services.engine", "--port", str(port), "--preset", "tiny",
             "--models-dir", str(tmp / "models"), "--volume", str(tmp / "v0"), "--volume", str(tmp / "v1"),
             "--redis-url", valkey_server.connection_url, "--index-prefix", "enginetest",
-            "--admin-token", "engine-admin", "--concurrency", "1", "--max-queue", "1", "--heartbeat-s", "0.2"]
+            "--admin-token", "engine-admin", "--max-batch", "1", "--max-queue", "1", "--pool-tokens", "16384", "--heartbeat-s", "0.2"]
     log = open(tmp / "engine.log", "w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     url = f"http://127.0.0.1:{port}"
@@ -85,10 +85,21 @@ async def test_miss_then_hit_through_the_index_gives_the_same_tokens(engine, ref
         await asyncio.sleep(0.1)
     assert hit.blocks == 4
     job["hit"] = {"blocks": hit.blocks, "locations": [run._asdict() for run in hit.runs]}
+    # The engine kept the prompt's blocks in its pool: the repeat is a memory hit, no disk read.
     status, events = await _generate(url, job)
     assert [e["id"] for e in events if e["type"] == "token"] == expected
     done = events[-1]
-    assert done["cached_tokens"] == 256 and done["timing"]["loaded_bytes"] == 256 * 2 * 48 * 2
+    assert done["cached_tokens"] == 256 and done["tiers"] == {"memory": 256, "disk": 0}
+    assert done["timing"]["loaded_bytes"] == 0
+    # With the memory tier emptied, the same request reads its prefix from disk.
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/admin/memory-tier/drop", headers=ADMIN) as r:
+            assert r.status == 200 and (await r.json())["dropped_pages"] >= 4
+    status, events = await _generate(url, job)
+    assert [e["id"] for e in events if e["type"] == "token"] == expected
+    done = events[-1]
+    assert done["cached_tokens"] == 256 and done["tiers"] == {"memory": 0, "disk": 256}
+    assert done["timing"]["loaded_bytes"] == 256 * 2 * 48 * 2
 
 
 async def test_bad_jobs_get_clear_400s(engine):

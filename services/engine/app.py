@@ -13,14 +13,15 @@ from aiohttp import web
 
 from kvstore import CacheGeometry, Hit, SegmentRun, block_hashes, miss
 from kvstore.location import SEGMENT_ID, VOLUME_ID
-from model.runner import ModelRunner, enable_compilation_cache
+from model.runner import enable_compilation_cache
 from model.sampling import SamplingParams
 from services.common.admin import admin_auth_middleware
 from services.common.metrics import add_metrics_route
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
-from services.engine.generation import Generator, Job, QueueFull
+from services.engine.core import Engine, QueueFull
+from services.engine.sequence import Job
 from services.engine.model_source import open_model
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class EngineState:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.metrics = EngineMetrics()
-        self.generator: Generator | None = None
+        self.engine: Engine | None = None
         self.cache: CacheLink | None = None
         self.loaded = None
         self.ready = False
@@ -127,13 +128,13 @@ class EngineState:
             self.loaded = await loop.run_in_executor(None, open_model, cfg.model_dir, cfg.preset, cfg.models_dir,
                                                      cfg.cache_dtype)
             model_cfg = self.loaded.config
-            runner = ModelRunner(self.loaded.model, model_cfg, chunk_tokens=cfg.chunk_tokens)
             geometry = CacheGeometry(model_cfg.num_layers, model_cfg.latent_dim, cfg.block_tokens, model_cfg.cache_dtype)
             self.cache = CacheLink(cfg, geometry, self.loaded.fingerprint)
             await self.cache.start()
-            self.generator = Generator(self.loaded, runner, self.cache, cfg, self.metrics)
+            self.engine = await loop.run_in_executor(None, Engine, self.loaded, cfg, self.cache, self.metrics)
             if cfg.warmup:
-                await loop.run_in_executor(self.generator.executor, self.generator.warm_up)
+                await loop.run_in_executor(None, self.engine.warm_up)
+            self.engine.start(loop)
             self.ready = True
             log.info("engine ready: %s (fingerprint %s) on %s:%d", model_cfg.name, self.loaded.fingerprint,
                      cfg.host, cfg.port)
@@ -142,8 +143,8 @@ class EngineState:
             log.exception("engine failed to load its model")
 
     async def stop(self) -> None:
-        if self.generator is not None:
-            await self.generator.drain(timeout_s=10.0)
+        if self.engine is not None:
+            await self.engine.stop(timeout_s=10.0)
         if self.cache is not None:
             await self.cache.close()
 
@@ -153,10 +154,8 @@ class EngineState:
             c = self.loaded.config
             out |= {"model": c.name, "fingerprint": self.loaded.fingerprint, "max_context": c.max_context,
                     "num_layers": c.num_layers, "latent_dim": c.latent_dim, "cache_dtype": c.cache_dtype}
-        if self.generator is not None:
-            g = self.generator
-            out |= {"in_flight": g.active, "waiting": g.waiting, "pending_saves": len(g.saves),
-                    "prefill_tokens_per_s": g.prefill_tokens_per_s}
+        if self.engine is not None:
+            out |= self.engine.stats()
         if self.cache is not None:
             out["cache_connected"] = self.cache.store is not None
             stats = getattr(self.cache.store, "stats", None)  # a mounted BlockStore has stats; the remote client not
@@ -176,12 +175,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(400, "the body is not valid JSON")
     try:
         job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens)
-        state.generator.check(job.tokens, job.params)
+        state.engine.check(job)
     except BadJob as error:
         return _error(400, str(error), error.param)
     except ValueError as error:
         return _error(400, str(error), "tokens")
-    events = state.generator.run(job)
+    events = state.engine.run(job)
     try:
         admitted = await events.__anext__()
     except QueueFull:
@@ -250,7 +249,13 @@ def build_app(cfg: EngineConfig) -> web.Application:
     app.router.add_post("/internal/generate", generate)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    async def admin_drop_memory_tier(_: web.Request) -> web.Response:
+        if state.engine is None:
+            return _error(503, "the engine is still loading its model", kind="service_unavailable")
+        return web.json_response({"dropped_pages": await state.engine.drop_memory_tier()})
+
     app.router.add_get("/admin/stats", admin_stats)
+    app.router.add_post("/admin/memory-tier/drop", admin_drop_memory_tier)
     add_metrics_route(app, state.metrics.registry)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -1,9 +1,17 @@
 """The engine's configuration: one dataclass, filled from CLI flags and DEEPINFER_ENGINE_* variables."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from services.common.config import load_config
+
+POOL_MEMORY_SHARE = 0.05  # of physical memory, per engine replica, when no pool size is given
+POOL_GIB_CAP = 1.0
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -28,8 +36,24 @@ class EngineConfig:
     read_ahead: int = field(default=4, metadata={"help": "layers read ahead of compute on a hit (kv_bench: 4)"})
     save: bool = field(default=True, metadata={"help": "save new blocks after each request"})
     chunk_tokens: int = field(default=512, metadata={"help": "prefill chunk size, tokens"})
-    concurrency: int = field(default=2, metadata={"help": "requests generating at once (steps interleave)"})
-    max_queue: int = field(default=32, metadata={"help": "requests waiting beyond that; more get 503"})
+    max_batch: int = field(default=64, metadata={
+        "help": "sequences running at once (decoding, prefilling or loading a hit); more wait in the queue"})
+    max_queue: int = field(default=256, metadata={"help": "requests waiting beyond that; more get 503"})
+    step_tokens: int = field(default=256, metadata={
+        "help": "tokens per model step while sequences decode (their decode tokens + prefill chunks)"})
+    solo_tokens: int = field(default=2048, metadata={
+        "help": "prefill tokens per step while nothing decodes (a newcomer waits at most one such step)"})
+    pool_tokens: int = field(default=0, metadata={
+        "help": "latent pool size in tokens (0: from --pool-gib)"})
+    pool_gib: float = field(default=0.0, metadata={
+        "help": f"latent pool size in GiB (0: {POOL_MEMORY_SHARE:.0%} of this machine's memory, at most "
+                f"{POOL_GIB_CAP:g} GiB, so several engines and stacks share a machine)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "a sequence's logits are bit-identical whatever shares its steps (fixed batch shape, fixed "
+                "prefill cuts; costs throughput, see BENCHMARKS.md)"})
+    save_every_tokens: int = field(default=2048, metadata={
+        "help": "during a long prefill, save its full blocks every this many tokens (a cancelled or "
+                "preempted prefill keeps its progress)"})
     prefetch_deadline_factor: float = field(default=1.0, metadata={
         "help": "recompute instead of waiting for disk once a load takes this many times its recompute time"})
     heartbeat_s: float = field(default=5.0, metadata={
@@ -41,7 +65,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("block_tokens", "chunk_tokens", "concurrency", "read_ahead"):
+        for name in ("block_tokens", "chunk_tokens", "max_batch", "read_ahead", "step_tokens", "solo_tokens",
+                     "save_every_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.heartbeat_s > 0:
@@ -52,6 +77,18 @@ class EngineConfig:
             raise ValueError("give either --kvstore-url (remote cache) or --volume (mounted), not both")
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
+
+        if self.pool_tokens < 0 or self.pool_gib < 0:
+            raise ValueError("pool_tokens and pool_gib must be >= 0")
+
+    def pool_pages(self, bytes_per_token: int) -> int:
+        """Pages of the latent pool (one of them the scratch page)."""
+        if self.pool_tokens:
+            tokens = self.pool_tokens
+        else:
+            gib = self.pool_gib or min(POOL_GIB_CAP, POOL_MEMORY_SHARE * _memory_bytes() / 2**30)
+            tokens = int(gib * 2**30) // bytes_per_token
+        return max(2, -(-tokens // self.block_tokens) + 1)
 
     @property
     def caching(self) -> bool:

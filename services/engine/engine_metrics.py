@@ -30,3 +30,19 @@ class EngineMetrics:
         self.saved_blocks = Counter("deepinfer_engine_saved_blocks_total", "Blocks saved", registry=r)
         self.queue_depth = Gauge("deepinfer_engine_queue_depth", "Requests waiting for a slot", registry=r)
         self.in_flight = Gauge("deepinfer_engine_in_flight", "Requests generating", registry=r)
+        self.prefix_hit_tokens = Counter("deepinfer_engine_prefix_hit_tokens_total",
+                                         "Prompt tokens served from a cache tier (memory or disk)", ["tier"],
+                                         registry=r)
+        self.preemptions = Counter("deepinfer_engine_preemptions_total",
+                                   "Sequences preempted (pages freed, requeued) for lack of pages", registry=r)
+        self.step_failures = Counter("deepinfer_engine_step_failures_total",
+                                     "Model steps that raised (their sequences got an error)", registry=r)
+        self.decode_batch = Histogram("deepinfer_engine_decode_batch_size", "Sequences per decode step",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.pool_pages = Gauge("deepinfer_engine_pool_pages", "Pages in the latent pool (one block each)",
+                                registry=r)
+        self.pool_bytes = Gauge("deepinfer_engine_pool_bytes", "Bytes of the latent pool", registry=r)
+        self.pool_owned_pages = Gauge("deepinfer_engine_pool_owned_pages", "Pages owned by running sequences",
+                                      registry=r)
+        self.pool_hot_pages = Gauge("deepinfer_engine_pool_hot_pages",
+                                    "Pages of finished sequences kept as the memory tier", registry=r)

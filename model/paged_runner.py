@@ -1,0 +1,221 @@
+"""Batched model steps over a paged latent pool.
+
+The pool holds, per layer, one array of pages (num_pages, page_tokens, A) at cache dtype; a page is
+exactly one cache block, so a block read from disk is placed into a page and a page is saved as a
+block with no repacking. Each sequence owns a block table (page ids, in position order). Page 0 is
+the scratch page: padded tokens write there and padded table entries point at it; it is never owned.
+
+Two kinds of work share a model step (the scheduler decides which):
+- decode: one token of each of B sequences, the whole model in one dispatch; attention reads each
+  sequence's pages through its block table (a gather into a dense (B, S, A) view on the CPU; a ragged
+  paged MLA kernel on GPU/TPU can replace `_decode_batch` behind the same arguments);
+- prefill segment: tokens [start, start + n) of one sequence, layer-major over sub-chunks, attending
+  over the sequence's pages gathered once per layer (the latents are written to the pool first and
+  read back, so a prefix loaded from disk, kept in memory or computed a step earlier look the same).
+
+Shapes are bucketed (batch to powers of two, views and tables to eighths of a power of two) so the
+compile count stays small; batch-invariant mode pads every decode batch to one fixed size.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.config import ModelConfig
+from model.mla import prefer_absorbed
+from model.runner import MIN_CHUNK, ModelRunner, _embed, _expand, _finish, _head, _pow2, bucket
+from model.transformer import DeepseekModel
+
+SCRATCH_PAGE = 0
+
+
+class LatentPool:
+    """Per layer one device array (num_pages, page_tokens, A) in cache dtype."""
+
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_tokens: int):
+        if num_pages < 2:
+            raise ValueError(f"a pool needs at least 2 pages (one is scratch), got {num_pages}")
+        self.num_pages, self.page_tokens, self.latent_dim = num_pages, page_tokens, cfg.latent_dim
+        self.dtype = jnp.dtype(cfg.cache_dtype)
+        self.layers = [jnp.zeros((num_pages, page_tokens, cfg.latent_dim), self.dtype)
+                       for _ in range(cfg.num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        return len(self.layers) * self.num_pages * self.page_tokens * self.latent_dim * self.dtype.itemsize
+
+    def place(self, layer: int, pages: list[int], latents_PA: np.ndarray) -> None:
+        """Writes (len(pages) * page_tokens, A) latents into `pages` of one layer: one host-to-device copy
+        and one donated scatter (page lists are padded to a power of two with the scratch page)."""
+        n = len(pages)
+        if latents_PA.shape != (n * self.page_tokens, self.latent_dim):
+            raise ValueError(f"latents for {n} pages must be ({n * self.page_tokens}, {self.latent_dim}), "
+                             f"got {latents_PA.shape}")
+        padded = _pow2(n)
+        pages_N = np.full(padded, SCRATCH_PAGE, np.int32)
+        pages_N[:n] = pages
+        rows_NBA = np.zeros((padded, self.page_tokens, self.latent_dim), latents_PA.dtype)
+        rows_NBA[:n] = latents_PA.reshape(n, self.page_tokens, self.latent_dim)
+        self.layers[layer] = _place_pages(self.layers[layer], jnp.asarray(pages_N), jnp.asarray(rows_NBA))
+
+    def read(self, layer: int, pages: list[int]) -> jax.Array:
+        """(len(pages) * page_tokens, A) latents of `pages` in one layer, as a device array (a copy, so
+        later steps may overwrite the pages; np.asarray it off the model thread)."""
+        n = len(pages)
+        pages_N = np.full(_pow2(n), SCRATCH_PAGE, np.int32)
+        pages_N[:n] = pages
+        return _read_pages(self.layers[layer], jnp.asarray(pages_N))[: n * self.page_tokens]
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _place_pages(pool_PBA, pages_N, rows_NBA):
+    return pool_PBA.at[pages_N].set(rows_NBA.astype(pool_PBA.dtype))
+
+
+@jax.jit
+def _read_pages(pool_PBA, pages_N):
+    return pool_PBA[pages_N].reshape(-1, pool_PBA.shape[-1])  # (N * B, A)
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _project_paged(graphdef, state, x_TD, pool_PBA, positions_T, slots_T):
+    """Queries of T tokens, and their latents scattered into the pool at flat slots (page * B + offset)."""
+    layer = nnx.merge(graphdef, state)
+    h_TD = layer.input_norm(x_TD)
+    q_nope_NTH, q_pe_NTR = layer.attn.queries(h_TD, positions_T)
+    P, B, A = pool_PBA.shape
+    flat_SA = pool_PBA.reshape(P * B, A).at[slots_T].set(layer.attn.latents(h_TD, positions_T))
+    return q_nope_NTH, q_pe_NTR, flat_SA.reshape(P, B, A)
+
+
+@jax.jit
+def _gather_view(pool_PBA, table_Q):
+    """One sequence's pages as a dense (Q * B, A) view."""
+    return pool_PBA[table_Q].reshape(-1, pool_PBA.shape[-1])
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pools, tokens_B, positions_B,
+                  slots_B, tables_BQ):
+    """One decode token for each of B sequences through every layer: (logits (B, V) float32, pools)."""
+    x_BD = jnp.take(embed_VD, tokens_B, axis=0)
+    B, Q = tables_BQ.shape
+    out = []
+    for graphdef, state, pool_PBA in zip(layer_defs, layer_states, pools):
+        layer = nnx.merge(graphdef, state)
+        h_BD = layer.input_norm(x_BD)
+        q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
+        P, Bt, A = pool_PBA.shape
+        pool_PBA = pool_PBA.reshape(P * Bt, A).at[slots_B].set(layer.attn.latents(h_BD, positions_B)).reshape(P, Bt, A)
+        kv_BSA = pool_PBA[tables_BQ].reshape(B, Q * Bt, A)
+        view = Q * Bt
+
+        def attend(q_nope_NH, q_pe_NR, position, kv_SA, attn=layer.attn):
+            return attn.attend(q_nope_NH[:, None], q_pe_NR[:, None], position[None], kv_SA, view, None)[0]
+
+        x_BD = x_BD + jax.vmap(attend, in_axes=(1, 1, 0, 0))(q_nope_NBH, q_pe_NBR, positions_B, kv_BSA)
+        x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
+        out.append(pool_PBA)
+    head = nnx.merge(head_def, head_state)
+    return head.lm_head(head.norm(x_BD)).astype(jnp.float32), out
+
+
+class DecodeRow(NamedTuple):
+    token: int
+    position: int  # where the token goes (its latent is written at this position)
+    pages: list[int]  # the sequence's block table, covering position
+
+
+class PagedRunner:
+    """The engine's model: decode batches and prefill segments over a LatentPool."""
+
+    def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, chunk_tokens: int = 512,
+                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0):
+        # The dense runner's weights split per layer and its chunking rule are reused as they are.
+        self.dense = ModelRunner(model, cfg, chunk_tokens, attention, attention_budget_bytes)
+        self.cfg, self.pool = cfg, pool
+        self.page = pool.page_tokens
+        self.fixed_batch = fixed_batch  # batch-invariant mode: every decode batch padded to this size
+        self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
+        self._layer_states = [state for _, state in self.dense.layers]
+
+    def check_tokens(self, tokens: np.ndarray, extra: int = 0) -> None:
+        self.dense.check_tokens(tokens, 0, extra)
+
+    def _slots(self, positions: np.ndarray, pages: list[int], valid: int) -> np.ndarray:
+        """Flat pool slots of positions; positions at or past `valid` go to the scratch page."""
+        table = np.asarray(pages, np.int64)
+        slots = np.empty(positions.size, np.int32)
+        real = positions < valid
+        slots[real] = table[positions[real] // self.page] * self.page + positions[real] % self.page
+        slots[~real] = SCRATCH_PAGE * self.page + positions[~real] % self.page
+        return slots
+
+    def _table(self, pages: list[int], rows: int) -> np.ndarray:
+        table = np.full(rows // self.page, SCRATCH_PAGE, np.int32)
+        n = min(len(pages), table.size)
+        table[:n] = pages[:n]
+        return table
+
+    def decode(self, rows: list[DecodeRow]) -> jax.Array:
+        """Feeds one token per sequence; returns their logits (len(rows), V) on the device."""
+        n = len(rows)
+        B = max(self.fixed_batch, _pow2(n))
+        view = bucket(max(r.position + 1 for r in rows))
+        view = -(-view // self.page) * self.page
+        tokens = np.zeros(B, np.int32)
+        positions = np.zeros(B, np.int32)
+        slots = np.full(B, SCRATCH_PAGE * self.page, np.int32)
+        tables = np.full((B, view // self.page), SCRATCH_PAGE, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], positions[i] = r.token, r.position
+            slots[i] = self._slots(np.asarray([r.position]), r.pages, r.position + 1)[0]
+            tables[i] = self._table(r.pages, view)
+        head_def, head_state = self.dense.head
+        logits, self.pool.layers = _decode_batch(
+            self._layer_defs, head_def, self.dense.embed_VD, self._layer_states, head_state, self.pool.layers,
+            tokens, positions, slots, tables)
+        return logits[:n]
+
+    def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array | None:
+        """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
+        writes their latents into `pages`. Returns the logits (V,) at the last position if asked."""
+        tokens = np.asarray(tokens, np.int64)
+        n, end = tokens.size, start + tokens.size
+        if len(pages) * self.page < end:
+            raise ValueError(f"{len(pages)} pages cannot hold {end} tokens")
+        T = 1 if n == 1 else min(self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
+        count = -(-n // T)
+        padded = np.pad(tokens, (0, count * T - n))
+        chunks = [_embed(self.dense.embed_VD, jnp.asarray(padded[i * T:(i + 1) * T], jnp.int32))
+                  for i in range(count)]
+        positions = [start + i * T + np.arange(T, dtype=np.int32) for i in range(count)]
+        slots = [jnp.asarray(self._slots(p, pages, end)) for p in positions]
+        positions = [jnp.asarray(p) for p in positions]
+        view = -(-bucket(end) // self.page) * self.page
+        table = jnp.asarray(self._table(pages, view))
+        views = [min(view, bucket(start + (i + 1) * T)) for i in range(count)]
+        absorbed = (prefer_absorbed(self.cfg, n, view) if self.dense.attention == "auto"
+                    else self.dense.attention == "absorbed")
+        for layer in range(self.cfg.num_layers):
+            graphdef, state = self.dense.layers[layer]
+            pool_PBA = self.pool.layers[layer]
+            queries = []
+            for i in range(count):
+                q_nope_NTH, q_pe_NTR, pool_PBA = _project_paged(graphdef, state, chunks[i], pool_PBA,
+                                                                positions[i], slots[i])
+                queries.append((q_nope_NTH, q_pe_NTR))
+            self.pool.layers[layer] = pool_PBA
+            kv_SA = _gather_view(pool_PBA, table)
+            expanded = None if absorbed else _expand(graphdef, state, kv_SA, view)
+            chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + i * T), views[i],
+                              expanded) for i in range(count)]
+        if not want_logits:
+            return None
+        graphdef, state = self.dense.head
+        return _head(graphdef, state, chunks[-1], np.int32((n - 1) - (count - 1) * T))

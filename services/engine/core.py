@@ -1,0 +1,441 @@
+"""The serving engine: continuous batching over the paged latent pool, on one model thread.
+
+Requests arrive on the event loop (`run`), become Sequences and go to the model thread through an
+inbox. The model thread loops: admit (pages from the pool, memory-tier hits taken by reference),
+start disk loads of hits (read on the event loop, ahead of and apart from compute), move loaded
+sequences to running, run one step (the scheduler's decode batch and prefill segments), sample, emit
+events, publish completed blocks to the memory tier, hand new full blocks to the store. A disk hit
+joins the running set only once every layer of its prefix is in its pages, so no step ever waits
+on a disk read: other sequences keep decoding while it loads, and its time to first token is the
+load plus its suffix's compute (the load is the smaller part here: see BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from kvstore import extend_block_hashes
+from model.paged_runner import SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner
+from model.runner import _pow2
+from model.sampling import SamplingParams, SamplingRow, request_seed, sample_batch
+from model.weights import LoadedModel
+from services.engine.cache_link import CacheLink
+from services.engine.config import EngineConfig
+from services.engine.engine_metrics import EngineMetrics
+from services.engine.pool import PagePool
+from services.engine.scheduler import Admission, SchedulePolicy, Scheduler, Step
+from services.engine.sequence import Job, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.005  # how often the model thread looks at disk loads when nothing else runs
+_GREEDY = SamplingParams()
+
+
+class QueueFull(Exception):
+    """More requests are waiting than max_queue allows."""
+
+
+class TooLarge(ValueError):
+    """The request could never fit the engine's pool (the user's fault: 400)."""
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cache: CacheLink, metrics: EngineMetrics):
+        self.loaded, self.cfg, self.cache, self.metrics = loaded, cfg, cache, metrics
+        model_cfg = loaded.config
+        self.B = cfg.block_tokens
+        num_pages = cfg.pool_pages(model_cfg.num_layers * model_cfg.latent_dim
+                                   * np.dtype(model_cfg.cache_dtype).itemsize)
+        self.latents = LatentPool(model_cfg, num_pages, self.B)
+        self.runner = PagedRunner(loaded.model, model_cfg, self.latents, chunk_tokens=cfg.chunk_tokens,
+                                  fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0)
+        self.pages = PagePool(num_pages)
+        self.scheduler = Scheduler(self.pages, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens,
+                                                              cfg.solo_tokens, cfg.batch_invariant))
+        self.stops = {model_cfg.eos_token_id}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.saves: set[asyncio.Task] = set()
+        self.prefill_tokens_per_s: float | None = None  # measured at warm-up; sets the load deadline
+        self.waiting = 0  # sequences not yet admitted (read by the event loop)
+        self.active = 0  # sequences admitted and not finished
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._drop_hot: asyncio.Future | None = None  # an admin asked to empty the memory tier
+        self._thread = threading.Thread(target=self._serve, name="model", daemon=True)
+        metrics.pool_pages.set(self.pages.usable)
+        metrics.pool_bytes.set(self.latents.bytes)
+
+    # -- the event loop's side --
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._thread.start()
+
+    def check(self, job: Job) -> None:
+        """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context
+        or for the pool."""
+        self.runner.check_tokens(job.tokens, job.params.max_tokens)
+        need = -(-(job.tokens.size + job.params.max_tokens) // self.B)
+        if need > self.pages.usable:
+            raise TooLarge(f"prompt of {job.tokens.size} tokens (+{job.params.max_tokens} to generate) does not "
+                           f"fit this engine's latent pool of {self.pages.usable * self.B} tokens")
+
+    async def run(self, job: Job) -> AsyncIterator[dict]:
+        """The request's events: a first 'progress' (admitted to the queue), tokens, then 'done'."""
+        if self.waiting >= self.cfg.max_queue:
+            raise QueueFull()
+        hashes = list(job.hit.hashes)
+        if job.tokens.size >= 16_384:
+            hashes = await asyncio.to_thread(extend_block_hashes, hashes, job.tokens, self.loaded.fingerprint,
+                                             job.tenant_salt, self.B)
+        else:
+            hashes = extend_block_hashes(hashes, job.tokens, self.loaded.fingerprint, job.tenant_salt, self.B)
+        seq = Sequence(job, request_seed(job.params), asyncio.Queue(), asyncio.get_running_loop(),
+                       tokens=[int(t) for t in job.tokens], hashes=hashes)
+        self.waiting += 1
+        self.metrics.queue_depth.set(self.waiting)
+        self._inbox.put(seq)
+        self._wake.set()
+        try:
+            yield {"type": "progress", "phase": "queued"}
+            while True:
+                event = await seq.events.get()
+                yield event
+                if event["type"] in ("done", "error"):
+                    return
+        finally:
+            if seq.status is not Status.FINISHED:
+                seq.cancelled = True  # the model thread frees it at its next step
+                self._inbox.put(seq)
+                self._wake.set()
+
+    async def drop_memory_tier(self) -> int:
+        """Empties the memory tier on the model thread's next turn; returns the pages freed."""
+        self._drop_hot = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        return await self._drop_hot
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stops the model thread, then waits for pending saves (each publishes only durable data)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, timeout_s)
+        if self.saves:
+            _, pending = await asyncio.wait(set(self.saves), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"in_flight": self.active, "waiting": self.waiting, "running": len(s.running),
+                "loading": len(s.loading), "pending_saves": len(self.saves),
+                "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_batch": self.cfg.max_batch,
+                "batch_invariant": self.cfg.batch_invariant,
+                "pool": {"pages": self.pages.usable, "page_tokens": self.B, "tokens": self.pages.usable * self.B,
+                         "bytes": self.latents.bytes, "owned_pages": self.pages.owned_pages,
+                         "hot_pages": self.pages.hot_pages, "evictions": self.pages.evictions},
+                # What this engine holds in memory, for the gateway's cache-aware routing.
+                "hot_blocks": [h.hex() for h in self.pages.held_hashes()]}
+
+    # -- the model thread --
+
+    def _serve(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                if self._drop_hot is not None:
+                    done, self._drop_hot = self._drop_hot, None
+                    self.loop.call_soon_threadsafe(done.set_result, self.pages.drop_hot())
+                self._take_inbox()
+                for admission in self.scheduler.admit():
+                    self._admitted(admission)
+                self._poll_loads()
+                step = self.scheduler.schedule()
+                if step.decode or step.prefill:
+                    self._step(step)
+                elif self.scheduler.loading:
+                    self._wake.wait(IDLE_POLL_S)
+                else:
+                    self._wake.wait()
+            except Exception:  # noqa: BLE001 - a bug must fail its requests, not stop the engine
+                log.exception("engine step failed; failing the sequences in flight")
+                self.metrics.step_failures.inc()
+                for seq in [*self.scheduler.live()]:
+                    seq.emit({"type": "error", "message": "the engine failed this request's step"})
+                    self._release(seq, "error")
+            self._update_gauges()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                seq = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if seq.cancelled:
+                if seq.status is not Status.FINISHED:
+                    self._cancel(seq)
+            elif seq.status is Status.WAITING and seq not in self.scheduler.waiting:
+                self.scheduler.add(seq)
+
+    def _admitted(self, admission: Admission) -> None:
+        seq = admission.seq
+        first = seq.preemptions == 0
+        if first:
+            self.waiting -= 1
+            self.active += 1
+            seq.memory_tokens = seq.computed
+        seq.published_blocks = len(admission.memory_pages)
+        store = self.cache.store
+        usable = min(seq.job.hit.blocks, (seq.target - 1) // self.B)
+        if store is not None and usable * self.B > seq.computed:
+            seq.load_blocks = usable
+            seq.load_begin = time.perf_counter()
+            seq.status = Status.LOADING
+            self.scheduler.loading.append(seq)
+            asyncio.run_coroutine_threadsafe(self._start_load(seq, store), self.loop)
+        else:
+            self.scheduler.start_running(seq)
+
+    async def _start_load(self, seq: Sequence, store) -> None:
+        if seq.status is not Status.LOADING:
+            return
+        hit = seq.job.hit.truncated(seq.load_blocks)
+        # Layers are read straight into one staging buffer, padded to a power of two of pages, so
+        # each layer goes to the pool as one copy and one scatter with no repacking.
+        staging = np.empty((self.loaded.config.num_layers, _pow2(seq.load_blocks) * self.B,
+                            self.loaded.config.latent_dim), np.dtype(self.loaded.config.cache_dtype))
+        seq.prefetch = store.prefetch(hit, out=staging)
+        seq.staging = staging
+        done = asyncio.ensure_future(seq.prefetch.valid_tokens())
+        done.add_done_callback(lambda _: self._wake.set())
+
+    def _poll_loads(self) -> None:
+        for seq in list(self.scheduler.loading):
+            prefetch = seq.prefetch
+            waited = time.perf_counter() - seq.load_begin
+            if prefetch is not None and prefetch.ready(self.loaded.config.num_layers - 1):
+                self._place(seq)
+            elif waited > self._load_deadline(seq):
+                # Waiting on disk longer than recomputing the prefix would take makes the hit a loss.
+                log.warning("request %s: disk hit of %d blocks took over %.2f s; recomputing",
+                            seq.request_id, seq.load_blocks, waited)
+                self.metrics.cache_fallbacks.labels("deadline").inc()
+                if prefetch is not None:
+                    self.loop.call_soon_threadsafe(prefetch.cancel)
+                seq.stall_s += waited
+                self.scheduler.start_running(seq)
+
+    def _load_deadline(self, seq: Sequence) -> float:
+        rate = self.prefill_tokens_per_s
+        tokens = seq.load_blocks * self.B - seq.computed
+        return max(0.5, self.cfg.prefetch_deadline_factor * tokens / rate) if rate else float("inf")
+
+    def _place(self, seq: Sequence) -> None:
+        """Moves a finished disk read into the sequence's pages: per layer one copy and one scatter."""
+        L, B = self.loaded.config.num_layers, self.B
+        valid = min(seq.prefetch.result(layer).shape[0] for layer in range(L)) // B
+        memory = seq.computed // B
+        if valid < seq.load_blocks:
+            log.warning("request %s: cached prefix cut from %d to %d blocks (verification)", seq.request_id,
+                        seq.load_blocks, valid)
+            self.metrics.cache_fallbacks.labels("verification").inc()
+        if valid > memory:
+            padded = seq.staging.shape[1] // B
+            targets = [SCRATCH_PAGE] * padded
+            targets[memory:valid] = seq.pages[memory:valid]
+            for layer in range(L):
+                self.latents.place(layer, targets, seq.staging[layer])
+            seq.computed = valid * B
+            seq.saved_blocks = max(seq.saved_blocks, valid)
+            if seq.preemptions == 0:
+                seq.disk_tokens = (valid - memory) * B
+            self._publish(seq)
+        seq.stall_s += time.perf_counter() - seq.load_begin
+        seq.prefetch, seq.staging = None, None
+        self.scheduler.start_running(seq)
+
+    def _step(self, step: Step) -> None:
+        decode = self._grow(step.decode)
+        if decode:
+            begin = time.perf_counter()
+            rows = [DecodeRow(seq.tokens[-1], seq.computed, seq.pages) for seq in decode]
+            logits = self.runner.decode(rows)
+            tokens = sample_batch(logits, [SamplingRow(s.job.params, s.seed, s.generated) for s in decode])
+            self.metrics.decode_batch.observe(len(decode))
+            self.metrics.decode_seconds.inc(time.perf_counter() - begin)
+            for seq, token in zip(decode, tokens):
+                seq.computed += 1
+                self._publish(seq)
+                self._accept(seq, int(token))
+        for seq, n in step.prefill:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted above to make room for a decode
+            want = seq.generated == 0 and seq.computed + n == seq.target
+            logits = self.runner.prefill(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed,
+                                         seq.pages, want)
+            seq.computed += n
+            self.metrics.prefill_tokens.labels("computed").inc(n)
+            self._publish(seq)
+            if want:
+                token = sample_batch(logits[None], [SamplingRow(seq.job.params, seq.seed, seq.generated)])[0]
+                self._accept(seq, int(token))
+            elif seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
+                self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
+
+    def _grow(self, decode: list[Sequence]) -> list[Sequence]:
+        """Gives every decoding sequence the page its next token goes to, preempting the youngest
+        running sequences while the pool has none; returns the sequences still running."""
+        for seq in decode:
+            if seq.status is not Status.RUNNING or seq.computed // self.B < len(seq.pages):
+                continue
+            while self.pages.available() == 0:
+                victim = self.scheduler.youngest()
+                log.info("pool full: preempting request %s (%d tokens)", victim.request_id, victim.computed)
+                self.metrics.preemptions.inc()
+                self._publish(victim)
+                self.scheduler.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                seq.pages += self.pages.allocate(1)
+        return [seq for seq in decode if seq.status is Status.RUNNING]
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        if token in self.stops or token in seq.job.params.stop_token_ids:
+            self._finish(seq, "stop")
+            return
+        seq.tokens.append(token)
+        seq.generated += 1
+        event = {"type": "token", "id": token}
+        if seq.generated == 1:
+            seq.first_token_at = time.perf_counter()
+            event["cached_tokens"] = seq.memory_tokens + seq.disk_tokens
+            tier = "disk" if seq.disk_tokens else "memory" if seq.memory_tokens else "miss"
+            self.metrics.ttft.labels(tier).observe(seq.first_token_at - seq.arrival)
+        seq.emit(event)
+        if seq.generated == 1:
+            self._save(seq)  # the prompt's blocks, once the first token is out
+        if seq.generated >= seq.job.params.max_tokens or len(seq.tokens) >= self.loaded.config.max_context:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        now = time.perf_counter()
+        loaded = seq.memory_tokens + seq.disk_tokens
+        self._release(seq, "ok")
+        g = self.loaded.config
+        loaded_bytes = seq.disk_tokens * g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize
+        self.metrics.generated_tokens.inc(seq.generated)
+        seq.emit({"type": "done", "finish_reason": reason, "prompt_tokens": seq.prompt_len,
+                  "cached_tokens": loaded, "completion_tokens": seq.generated,
+                  "tiers": {"memory": seq.memory_tokens, "disk": seq.disk_tokens},
+                  "timing": {"ttft_s": (seq.first_token_at or now) - seq.arrival,
+                             "prefetch_stall_s": seq.stall_s, "loaded_bytes": int(loaded_bytes),
+                             "decode_s": now - (seq.first_token_at or now), "preemptions": seq.preemptions}})
+
+    def _cancel(self, seq: Sequence) -> None:
+        if seq.prefetch is not None:
+            self.loop.call_soon_threadsafe(seq.prefetch.cancel)
+        if seq.status is Status.WAITING and seq.preemptions == 0:
+            self.waiting -= 1
+            self.active += 1  # _release counts it out
+        self._release(seq, "cancelled")
+
+    def _release(self, seq: Sequence, outcome: str) -> None:
+        """Publishes and saves what the sequence computed, then frees its pages."""
+        if seq.status is Status.RUNNING:
+            self._publish(seq)
+            self._save(seq)
+        self.scheduler.remove(seq)
+        self.active -= 1
+        self.metrics.requests.labels(outcome).inc()
+        loaded = seq.memory_tokens + seq.disk_tokens
+        if outcome == "ok":
+            self.metrics.prefix_hit_tokens.labels("memory").inc(seq.memory_tokens)
+            self.metrics.prefix_hit_tokens.labels("disk").inc(seq.disk_tokens)
+            self.metrics.prefill_tokens.labels("loaded").inc(loaded)
+
+    # -- the two tiers --
+
+    def _hashes(self, seq: Sequence, blocks: int) -> list[bytes]:
+        if len(seq.hashes) < blocks:
+            seq.hashes = extend_block_hashes(seq.hashes, seq.tokens, self.loaded.fingerprint,
+                                             seq.job.tenant_salt, self.B)
+        return seq.hashes[:blocks]
+
+    def _publish(self, seq: Sequence) -> None:
+        """Full blocks whose latents are complete become shareable (the memory tier)."""
+        full = min(seq.computed // self.B, len(seq.pages))
+        if full <= seq.published_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for block in range(seq.published_blocks, full):
+            self.pages.publish(seq.pages[block], hashes[block])
+        seq.published_blocks = full
+
+    def _save(self, seq: Sequence) -> None:
+        """Hands the new full blocks to the store: the pages are copied on the device here (cheap, in
+        order with later steps), the host copy and the disk write happen on the event loop's side."""
+        store = self.cache.store
+        full = min(seq.computed // self.B, len(seq.pages))
+        if store is None or not self.cfg.save or full <= seq.saved_blocks:
+            return
+        start = seq.saved_blocks
+        layers = [self.latents.read(layer, seq.pages[start:full]) for layer in range(self.loaded.config.num_layers)]
+        hashes = self._hashes(seq, full)
+        seq.saved_blocks = full
+        asyncio.run_coroutine_threadsafe(self._save_async(store, seq.job, hashes, layers, start), self.loop)
+
+    async def _save_async(self, store, job: Job, hashes: list[bytes], layers: list, start: int) -> None:
+        task = asyncio.current_task()
+        self.saves.add(task)
+        try:
+            host = await asyncio.to_thread(lambda: [np.asarray(x) for x in layers])
+            result = await store.save(hashes, host, start_block=start, tenant=job.tenant, retention=job.retention)
+            self.metrics.saves.labels("ok").inc()
+            self.metrics.saved_blocks.inc(result.blocks)
+        except Exception as error:  # noqa: BLE001 - a failed save never fails the request
+            log.warning("request %s: saving %d blocks failed: %r", job.request_id, len(hashes) - start, error)
+            self.metrics.saves.labels("failed").inc()
+        finally:
+            self.saves.discard(task)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_depth.set(self.waiting)
+        m.in_flight.set(self.active)
+        m.pool_owned_pages.set(self.pages.owned_pages)
+        m.pool_hot_pages.set(self.pages.hot_pages)
+
+    # -- start-up --
+
+    def warm_up(self) -> None:
+        """Compiles the common shapes and measures prefill speed (for the load deadline). Runs before the
+        model thread starts, on pages it frees again."""
+        cfg = self.loaded.config
+        n = min(self.cfg.chunk_tokens, 512, (self.pages.usable - 1) * self.B)
+        pages = self.pages.allocate(-(-(n + 1) // self.B))
+        try:
+            tokens = np.arange(1, 17) % cfg.vocab_size
+            logits = self.runner.prefill(tokens, 0, pages, True)
+            sample_batch(logits[None], [SamplingRow(_GREEDY, 0, 0)])
+            self.runner.decode([DecodeRow(1, 16, pages)])
+            long = np.arange(n) % cfg.vocab_size
+            self.runner.prefill(long, 0, pages, True)
+            begin = time.perf_counter()
+            np.asarray(self.runner.prefill(long, 0, pages, True))
+            self.prefill_tokens_per_s = n / (time.perf_counter() - begin)
+        finally:
+            self.pages.release(pages)
+        log.info("warm: prefill %.0f tokens/s; pool %d pages (%d tokens, %.2f GiB)", self.prefill_tokens_per_s,
+                 self.pages.usable, self.pages.usable * self.B, self.latents.bytes / 2**30)
+

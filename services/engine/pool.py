@@ -1,0 +1,149 @@
+"""Pages of the latent pool: who owns each one, and the memory tier of finished sequences' blocks.
+
+A page holds one cache block (block_tokens positions, every layer). Each page other than the scratch
+page is in exactly one state:
+- free: on the free list, content meaningless;
+- owned: referenced by one or more sequences' block tables (ref > 0); a full block whose latents are
+  complete may also be published under its chained block hash, so another sequence with the same
+  prefix shares it instead of loading or computing it;
+- hot: published, no longer referenced (ref == 0), kept in LRU order until a new page is needed.
+The hashes are the disk index's (salted per tenant, chained over the whole prefix), so a hash names
+the same latents in memory and on disk, and tenants never share pages.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from model.paged_runner import SCRATCH_PAGE
+
+
+class PoolExhausted(Exception):
+    """Fewer pages are free or hot than a request for pages needs."""
+
+
+class PagePool:
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(p for p in range(num_pages) if p != SCRATCH_PAGE)
+        self._ref = [0] * num_pages
+        self._page_of: dict[bytes, int] = {}  # block hash -> page (owned or hot)
+        self._hash_of: dict[int, bytes] = {}
+        self._hot: OrderedDict[int, None] = OrderedDict()  # ref-0 published pages, least recently used first
+        self.evictions = 0
+
+    # -- capacity --
+
+    @property
+    def usable(self) -> int:
+        return self.num_pages - 1
+
+    def available(self) -> int:
+        """Pages that allocate() can hand out now (free, then hot ones evicted)."""
+        return len(self._free) + len(self._hot)
+
+    @property
+    def hot_pages(self) -> int:
+        return len(self._hot)
+
+    @property
+    def owned_pages(self) -> int:
+        return self.usable - self.available()
+
+    # -- the memory tier --
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """Pages of the longest leading run of `hashes` held in memory (no reference taken)."""
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def hot_in(self, pages: list[int]) -> int:
+        """How many of `pages` are hot (acquiring them takes them out of what allocate() can use)."""
+        return sum(1 for p in pages if self._ref[p] == 0)
+
+    def publish(self, page: int, block_hash: bytes) -> None:
+        """The page now holds the complete latents of the block named `block_hash`."""
+        if self._ref[page] <= 0:
+            raise ValueError(f"page {page} is not owned")
+        if block_hash in self._page_of or page in self._hash_of:
+            return  # another page already serves this block (two sequences computed it at once)
+        self._page_of[block_hash] = page
+        self._hash_of[page] = block_hash
+
+    def held_hashes(self) -> list[bytes]:
+        return list(self._page_of)
+
+    # -- ownership --
+
+    def acquire(self, pages: list[int]) -> None:
+        """Takes a reference on published pages (a memory hit)."""
+        for page in pages:
+            if page not in self._hash_of:
+                raise ValueError(f"page {page} is not published")
+            if self._ref[page] == 0:
+                del self._hot[page]
+            self._ref[page] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """n pages owned by the caller; evicts the least recently used hot pages when none are free."""
+        if n > self.available():
+            raise PoolExhausted(f"{n} pages asked, {self.available()} available")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._hot.popitem(last=False)
+                del self._page_of[self._hash_of.pop(page)]
+                self.evictions += 1
+            self._ref[page] = 1
+            pages.append(page)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        """Drops a reference on each page; unreferenced published pages become the most recently used
+        hot pages, a chain's head most recent of all (so its tail is evicted before its head: losing an
+        early block would end every later block's hit); the rest become free."""
+        for page in reversed(pages):
+            if self._ref[page] <= 0:
+                raise ValueError(f"page {page} released more often than taken")
+            self._ref[page] -= 1
+            if self._ref[page] == 0:
+                if page in self._hash_of:
+                    self._hot[page] = None
+                else:
+                    self._free.append(page)
+
+    def drop_hot(self) -> int:
+        """Empties the memory tier (pages owned by sequences stay published); returns pages freed."""
+        dropped = len(self._hot)
+        for page in self._hot:
+            del self._page_of[self._hash_of.pop(page)]
+            self._free.append(page)
+        self._hot.clear()
+        return dropped
+
+    # -- accounting (tests) --
+
+    def check(self, owners: list[list[int]]) -> None:
+        """Raises AssertionError unless every page is free, hot or owned exactly as `owners` (the block
+        tables of live sequences) say."""
+        counts = [0] * self.num_pages
+        for table in owners:
+            for page in table:
+                counts[page] += 1
+        free, hot = set(self._free), set(self._hot)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert SCRATCH_PAGE not in free | hot and counts[SCRATCH_PAGE] == 0, "the scratch page was handed out"
+        for page in range(self.num_pages):
+            if page == SCRATCH_PAGE:
+                continue
+            states = (page in free) + (page in hot) + (counts[page] > 0)
+            assert states == 1, f"page {page}: free={page in free} hot={page in hot} refs={counts[page]}"
+            assert self._ref[page] == counts[page], f"page {page}: ref {self._ref[page]} != owners {counts[page]}"
+        for h, page in self._page_of.items():
+            assert self._hash_of.get(page) == h, f"page {page}: hash maps disagree"

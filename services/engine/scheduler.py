@@ -1,0 +1,130 @@
+"""Scheduling policy: who gets pages, and what each model step computes.
+
+A waiting queue (FCFS; preempted sequences go back to its front), a loading set (pages granted, disk
+hit being read) and a running list (in admission order). Every step runs one batch: a decode token
+of every running sequence whose prefill is done, plus prefill segments of running sequences up to a
+token budget, so a long prefill never stops other streams' decoding. With nothing to decode, a
+prefill may take a larger segment (fewer passes over its prefix), still bounded so a newcomer waits
+at most one segment. Admission is by free pages; when a decoding sequence needs a page and none is
+left, the youngest running sequence is preempted (its pages freed, its blocks kept hot, requeued).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from services.engine.pool import PagePool
+from services.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulePolicy:
+    block_tokens: int
+    max_batch: int  # sequences running (prefilling, decoding or loading) at once
+    step_tokens: int  # tokens per step (decode tokens + prefill) while anything decodes
+    solo_tokens: int  # prefill tokens per step while nothing decodes
+    batch_invariant: bool  # prefill segments on fixed boundaries, whatever else runs
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "max_batch", "step_tokens", "solo_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Admission(NamedTuple):
+    seq: Sequence
+    memory_pages: list[int]  # published pages the sequence took a reference on
+
+
+class Step(NamedTuple):
+    decode: list[Sequence]
+    prefill: list[tuple[Sequence, int]]  # (sequence, tokens to compute from its `computed`)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, policy: SchedulePolicy):
+        self.pool, self.policy = pool, policy
+        self.waiting: deque[Sequence] = deque()
+        self.loading: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.loading) + len(self.running)
+
+    def live(self) -> list[Sequence]:
+        return [*self.loading, *self.running]
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.policy.block_tokens)
+
+    def admit(self) -> list[Admission]:
+        """Grants pages to waiting sequences in order while they fit (a memory hit takes references on
+        the published pages of its prefix; the rest of its prompt gets new pages)."""
+        admitted = []
+        while self.waiting and len(self.loading) + len(self.running) < self.policy.max_batch:
+            seq = self.waiting[0]
+            B = self.policy.block_tokens
+            usable = (seq.target - 1) // B  # at least one token is always computed
+            memory = self.pool.match(seq.hashes[:usable])
+            new = self.pages_for(seq.target + 1) - len(memory)  # +1: the first decoded token
+            if new > self.pool.available() - self.pool.hot_in(memory):
+                break  # (a sequence that could never fit is refused before it is queued)
+            self.waiting.popleft()
+            self.pool.acquire(memory)
+            seq.pages = memory + self.pool.allocate(new)
+            seq.computed = len(memory) * B
+            admitted.append(Admission(seq, memory))
+        return admitted
+
+    def start_running(self, seq: Sequence) -> None:
+        if seq in self.loading:
+            self.loading.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> Step:
+        decode = [s for s in self.running if not s.prefilling]
+        p = self.policy
+        budget = (p.step_tokens - len(decode)) if decode else p.solo_tokens
+        prefill = []
+        for seq in self.running:
+            if not seq.prefilling or budget <= 0:
+                continue
+            left = seq.target - seq.computed
+            if p.batch_invariant:
+                # Segment ends at the next multiple of step_tokens: the same cuts whatever else runs.
+                n = min(left, (seq.computed // p.step_tokens + 1) * p.step_tokens - seq.computed)
+            else:
+                n = min(left, budget)
+            prefill.append((seq, n))
+            budget -= n
+        return Step(decode, prefill)
+
+    def youngest(self) -> Sequence | None:
+        return self.running[-1] if self.running else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees the sequence's pages and puts it first in line (its published blocks stay hot, so the
+        redo is mostly a memory hit)."""
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages, seq.computed, seq.status = [], 0, Status.WAITING
+        seq.published_blocks = 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a finished or cancelled sequence out and releases its pages."""
+        for group in (self.running, self.loading):
+            if seq in group:
+                group.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.pages:
+            self.pool.release(seq.pages)
+            seq.pages = []
+        seq.status = Status.FINISHED
