@@ -111,10 +111,10 @@ def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_p
     """Fills result["requests"] length by length, writing bench/out/<name>_partial.json after each, so a
     run cut short still leaves what it measured (--report-from renders it)."""
     out = result["requests"] = {}
-    total = sum(misses_at(args, n) + 1 + 2 * args.repeats for n in lengths)  # misses, warm-up hit, cold + warm
+    total = sum(misses_at(args, n) + 1 + 3 * args.repeats for n in lengths)  # misses, warm-up, cold + warm + memory
     bar = tqdm(total=total, desc="requests via gateway", unit="req")
     for n in lengths:
-        rows: dict = {"miss": [], "cold_hit": [], "warm_hit": [], "saves_wait_s": []}
+        rows: dict = {"miss": [], "cold_hit": [], "warm_hit": [], "memory_hit": [], "saves_wait_s": []}
         prefixes = []
         for _ in range(misses_at(args, n)):
             prefixes.append(driver.fresh_tokens(n - args.suffix))
@@ -126,16 +126,23 @@ def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_p
         driver.wait_for_saves()
         bar.update()
         for rep in range(args.repeats):
+            # Disk hits: the engines' memory tier is emptied first, so the prefix comes from the volumes.
             prefix = prefixes[rep % len(prefixes)]
+            driver.drop_memory_tier()
             args.drop()
             rows["cold_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
             bar.update()
             driver.wait_for_saves()
+            driver.drop_memory_tier()
             rows["warm_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
             bar.update()
             driver.wait_for_saves()
+            # A memory hit: the same prefix again, still in the engine's pool from the request before.
+            rows["memory_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
+            bar.update()
+            driver.wait_for_saves()
         unexpected = [r["cached_tokens"] for r in rows["miss"] if r["cached_tokens"] != 0]
-        unexpected += [r["cached_tokens"] for k in ("cold_hit", "warm_hit") for r in rows[k]
+        unexpected += [r["cached_tokens"] for k in ("cold_hit", "warm_hit", "memory_hit") for r in rows[k]
                        if r["cached_tokens"] != n - args.suffix]
         if unexpected:
             say(f"{n}: unexpected cached token counts {unexpected}")
@@ -144,7 +151,8 @@ def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_p
         report.write_json(args.name + "_partial", result)
         say(f"{n}: miss {statistics.median(r['client_ttft_s'] for r in rows['miss']):.2f} s, cold hit "
             f"{statistics.median(r['client_ttft_s'] for r in rows['cold_hit']):.2f} s, warm hit "
-            f"{statistics.median(r['client_ttft_s'] for r in rows['warm_hit']):.2f} s")
+            f"{statistics.median(r['client_ttft_s'] for r in rows['warm_hit']):.2f} s, memory hit "
+            f"{statistics.median(r['client_ttft_s'] for r in rows['memory_hit']):.2f} s")
     bar.close()
     return out
 

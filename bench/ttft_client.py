@@ -53,6 +53,13 @@ def _get(url: str, token: str = "", timeout_s: float = 10.0) -> bytes:
         return response.read()
 
 
+def _post(url: str, token: str = "", timeout_s: float = 30.0) -> bytes:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return response.read()
+
+
 def scrape(url: str) -> dict[str, float]:
     """Every sample of a /metrics page, keyed `name` or `name{label="value",...}`."""
     out: dict[str, float] = {}
@@ -90,6 +97,11 @@ class GatewayDriver:
     def fresh_tokens(self, n: int) -> list[int]:
         """n random token ids: a prefix nobody has sent before (P(repeat of a 64-token block) ~ 0)."""
         return self.rng.integers(FIRST_ID, LAST_ID, n).tolist()
+
+    def drop_memory_tier(self) -> None:
+        """Empties every engine's memory tier, so the next hit reads its prefix from disk."""
+        for url in self.engine_urls:
+            _post(url + "/admin/memory-tier/drop", self.admin_token)
 
     def pending_saves(self) -> int:
         return sum(json.loads(_get(url + "/admin/stats", self.admin_token))["pending_saves"]

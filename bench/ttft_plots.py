@@ -32,6 +32,7 @@ def ttft_vs_length(summary: list[dict], path: Path, title: str) -> None:
     _line(ax, summary, "miss", "DeepInfer miss", "o-")
     _line(ax, summary, "cold_hit", "DeepInfer hit, cold page cache", "s-")
     _line(ax, summary, "warm_hit", "DeepInfer hit, warm page cache", "^-")
+    _line(ax, summary, "memory_hit", "DeepInfer hit, engine memory tier", "d-")
     x = [r["tokens"] for r in summary]
     ax.plot(x, [r["lower_bound_s"] for r in summary], "k--", label="hit lower bound max(load@raw, compute)")
     _line(ax, summary, "hf_miss", "transformers miss", "o:")

@@ -51,6 +51,7 @@ def summarize(result: dict) -> list[dict]:
                "miss": spread([r["client_ttft_s"] for r in req["miss"]]),
                "cold_hit": spread([r["client_ttft_s"] for r in req["cold_hit"]]),
                "warm_hit": spread([r["client_ttft_s"] for r in req["warm_hit"]]),
+               "memory_hit": spread([r["client_ttft_s"] for r in req.get("memory_hit", [])]),
                "cold_stall": spread([r["stall_s"] for r in req["cold_hit"]]),
                "warm_stall": spread([r["stall_s"] for r in req["warm_hit"]]),
                "compute": spread(comp["compute_s"]), "placed": spread(comp["placed_s"]),
@@ -85,10 +86,11 @@ def _k(n: int) -> str:
 def tables(result: dict) -> str:
     s = result["summary"]
     ours = report.markdown_table(
-        ["prompt", "miss s", "cold hit s", "warm hit s", "miss / cold hit", "lower bound s (load@raw, compute)",
+        ["prompt", "miss s", "cold hit s", "warm hit s", "memory hit s", "miss / cold hit", "lower bound s (load@raw, compute)",
          "cold hit / bound", "warm hit / bound", "stall s cold / warm",
          "engine CPU s miss / cold / warm", "engine VmHWM GiB"],
-        [[_k(r["tokens"]), fmt(r["miss"]), fmt(r["cold_hit"]), fmt(r["warm_hit"]), f"{r['speedup_cold']:.1f}x",
+        [[_k(r["tokens"]), fmt(r["miss"]), fmt(r["cold_hit"]), fmt(r["warm_hit"]), fmt(r["memory_hit"]),
+          f"{r['speedup_cold']:.1f}x",
           f"{r['lower_bound_s']:.2f} ({r['load_at_raw_s']:.2f}, {r['compute']['median']:.2f})",
           f"{r['cold_vs_bound']:.2f}x", f"{r['warm_vs_bound']:.2f}x",
           f"{r['cold_stall']['median']:.2f} / {r['warm_stall']['median']:.2f}",

@@ -34,15 +34,27 @@ from model.transformer import DeepseekModel
 SCRATCH_PAGE = 0
 
 
+def _bits_dtype(dtype) -> jnp.dtype:
+    return jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}")
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+
+
 class LatentPool:
-    """Per layer one device array (num_pages, page_tokens, A) in cache dtype."""
+    """Per layer one device array (num_pages, page_tokens, A) holding latents at cache dtype.
+
+    The arrays hold the latents' raw bits (uint16 for bfloat16): XLA:CPU widens a bfloat16 scatter or
+    dynamic-update-slice to float32 over the WHOLE operand, which turned every one-token write into a
+    copy of the pool (measured: 0.7 s per decode step for a 1 GiB pool, 0.01 ms as uint16)."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_tokens: int):
         if num_pages < 2:
             raise ValueError(f"a pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.num_pages, self.page_tokens, self.latent_dim = num_pages, page_tokens, cfg.latent_dim
         self.dtype = jnp.dtype(cfg.cache_dtype)
-        self.layers = [jnp.zeros((num_pages, page_tokens, cfg.latent_dim), self.dtype)
+        self.layers = [jnp.zeros((num_pages, page_tokens, cfg.latent_dim), _bits_dtype(self.dtype))
                        for _ in range(cfg.num_layers)]
 
     @property
@@ -59,70 +71,93 @@ class LatentPool:
         padded = _pow2(n)
         pages_N = np.full(padded, SCRATCH_PAGE, np.int32)
         pages_N[:n] = pages
-        rows_NBA = np.zeros((padded, self.page_tokens, self.latent_dim), latents_PA.dtype)
-        rows_NBA[:n] = latents_PA.reshape(n, self.page_tokens, self.latent_dim)
-        self.layers[layer] = _place_pages(self.layers[layer], jnp.asarray(pages_N), jnp.asarray(rows_NBA))
+        if padded == n and latents_PA.flags.c_contiguous:
+            rows_NBA = latents_PA.reshape(n, self.page_tokens, self.latent_dim)
+        else:
+            rows_NBA = np.zeros((padded, self.page_tokens, self.latent_dim), latents_PA.dtype)
+            rows_NBA[:n] = latents_PA.reshape(n, self.page_tokens, self.latent_dim)
+        bits = rows_NBA.astype(self.dtype, copy=False).view(_bits_dtype(self.dtype))  # no copy at cache dtype
+        self.layers[layer] = _place_pages(self.layers[layer], jnp.asarray(pages_N), jnp.asarray(bits))
 
     def read(self, layer: int, pages: list[int]) -> jax.Array:
-        """(len(pages) * page_tokens, A) latents of `pages` in one layer, as a device array (a copy, so
-        later steps may overwrite the pages; np.asarray it off the model thread)."""
+        """(len(pages) * page_tokens, A) latents of `pages` in one layer, as a device array of their bits (a
+        copy, so later steps may overwrite the pages); `host()` turns it into cache dtype off the model thread."""
         n = len(pages)
         pages_N = np.full(_pow2(n), SCRATCH_PAGE, np.int32)
         pages_N[:n] = pages
         return _read_pages(self.layers[layer], jnp.asarray(pages_N))[: n * self.page_tokens]
 
+    def host(self, read: jax.Array) -> np.ndarray:
+        """A `read` result as a host array in cache dtype."""
+        return np.asarray(read).view(self.dtype)
+
 
 @partial(jax.jit, donate_argnums=(0,))
 def _place_pages(pool_PBA, pages_N, rows_NBA):
-    return pool_PBA.at[pages_N].set(rows_NBA.astype(pool_PBA.dtype))
+    return pool_PBA.at[pages_N].set(rows_NBA)
 
 
 @jax.jit
 def _read_pages(pool_PBA, pages_N):
-    return pool_PBA[pages_N].reshape(-1, pool_PBA.shape[-1])  # (N * B, A)
+    return pool_PBA[pages_N].reshape(-1, pool_PBA.shape[-1])  # (N * B, A) bits
+
+
+def _write_slots(pool_PBA, slots_T, latents_TA):
+    """The pool with each row t of latents_TA written at flat slot slots_T[t] (page * B + offset)."""
+    P, B, A = pool_PBA.shape
+    return pool_PBA.reshape(P * B, A).at[slots_T].set(_as_bits(latents_TA), mode="promise_in_bounds").reshape(P, B, A)
+
+
+def _view(pool_PBA, table_Q, dtype):
+    """Pages table_Q of the pool as dense (Q * B, A) latents at cache dtype."""
+    return jax.lax.bitcast_convert_type(pool_PBA[table_Q], jnp.dtype(dtype)).reshape(-1, pool_PBA.shape[-1])
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def _project_paged(graphdef, state, x_TD, pool_PBA, positions_T, slots_T):
-    """Queries of T tokens, and their latents scattered into the pool at flat slots (page * B + offset)."""
+    """Queries of T tokens, and their latents written into the pool."""
     layer = nnx.merge(graphdef, state)
     h_TD = layer.input_norm(x_TD)
     q_nope_NTH, q_pe_NTR = layer.attn.queries(h_TD, positions_T)
-    P, B, A = pool_PBA.shape
-    flat_SA = pool_PBA.reshape(P * B, A).at[slots_T].set(layer.attn.latents(h_TD, positions_T))
-    return q_nope_NTH, q_pe_NTR, flat_SA.reshape(P, B, A)
+    return q_nope_NTH, q_pe_NTR, _write_slots(pool_PBA, slots_T, layer.attn.latents(h_TD, positions_T))
 
 
-@jax.jit
-def _gather_view(pool_PBA, table_Q):
-    """One sequence's pages as a dense (Q * B, A) view."""
-    return pool_PBA[table_Q].reshape(-1, pool_PBA.shape[-1])
+@partial(jax.jit, static_argnums=(2,))
+def _gather_view(pool_PBA, table_Q, dtype):
+    """One sequence's pages as a dense (Q * B, A) view at cache dtype."""
+    return _view(pool_PBA, table_Q, dtype)
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pools, tokens_B, positions_B,
-                  slots_B, tables_BQ):
-    """One decode token for each of B sequences through every layer: (logits (B, V) float32, pools)."""
+@partial(jax.jit, static_argnums=(0, 1))
+def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pools, tokens_B, positions_B, tables_BQ):
+    """One decode token for each of B sequences through every layer: (logits (B, V) float32, the tokens'
+    latents (L, B, A)). The pools are only read here; `_write_latents` stores the new latents after: a
+    scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool."""
     x_BD = jnp.take(embed_VD, tokens_B, axis=0)
     B, Q = tables_BQ.shape
-    out = []
+    latents = []
     for graphdef, state, pool_PBA in zip(layer_defs, layer_states, pools):
         layer = nnx.merge(graphdef, state)
         h_BD = layer.input_norm(x_BD)
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
-        P, Bt, A = pool_PBA.shape
-        pool_PBA = pool_PBA.reshape(P * Bt, A).at[slots_B].set(layer.attn.latents(h_BD, positions_B)).reshape(P, Bt, A)
-        kv_BSA = pool_PBA[tables_BQ].reshape(B, Q * Bt, A)
-        view = Q * Bt
+        latents_BA = layer.attn.latents(h_BD, positions_B)
+        view = Q * pool_PBA.shape[1]
+        kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, view, -1)
+        kv_BSA = kv_BSA.at[jnp.arange(B), positions_B].set(latents_BA, mode="promise_in_bounds")
 
         def attend(q_nope_NH, q_pe_NR, position, kv_SA, attn=layer.attn):
             return attn.attend(q_nope_NH[:, None], q_pe_NR[:, None], position[None], kv_SA, view, None)[0]
 
         x_BD = x_BD + jax.vmap(attend, in_axes=(1, 1, 0, 0))(q_nope_NBH, q_pe_NBR, positions_B, kv_BSA)
         x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
-        out.append(pool_PBA)
+        latents.append(latents_BA)
     head = nnx.merge(head_def, head_state)
-    return head.lm_head(head.norm(x_BD)).astype(jnp.float32), out
+    return head.lm_head(head.norm(x_BD)).astype(jnp.float32), jnp.stack(latents)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _write_latents(pools, slots_B, latents_LBA):
+    return [_write_slots(pool_PBA, slots_B, latents_BA) for pool_PBA, latents_BA in zip(pools, latents_LBA)]
 
 
 class DecodeRow(NamedTuple):
@@ -177,9 +212,9 @@ class PagedRunner:
             slots[i] = self._slots(np.asarray([r.position]), r.pages, r.position + 1)[0]
             tables[i] = self._table(r.pages, view)
         head_def, head_state = self.dense.head
-        logits, self.pool.layers = _decode_batch(
-            self._layer_defs, head_def, self.dense.embed_VD, self._layer_states, head_state, self.pool.layers,
-            tokens, positions, slots, tables)
+        logits, latents = _decode_batch(self._layer_defs, head_def, self.dense.embed_VD, self._layer_states,
+                                        head_state, self.pool.layers, tokens, positions, tables)
+        self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits[:n]
 
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array | None:
@@ -211,7 +246,7 @@ class PagedRunner:
                                                                 positions[i], slots[i])
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
-            kv_SA = _gather_view(pool_PBA, table)
+            kv_SA = _gather_view(pool_PBA, table, self.pool.dtype)
             expanded = None if absorbed else _expand(graphdef, state, kv_SA, view)
             chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + i * T), views[i],
                               expanded) for i in range(count)]

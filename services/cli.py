@@ -5,7 +5,7 @@ import argparse
 import sys
 
 
-BENCHES = {"ttft": "bench.ttft_bench", "trace": "bench.trace_bench"}
+BENCHES = {"ttft": "bench.ttft_bench", "trace": "bench.trace_bench", "serve": "bench.serve_bench"}
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--name", default=None, help="model name (default: the HF directory's name)")
     conv.set_defaults(run=_model_convert)
     commands.add_parser("up", help="start the whole stack on this machine (see `deepinfer up --help`)")
-    bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace --help`")
+    bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace|serve --help`")
     bench.add_argument("which", choices=sorted(BENCHES))
     return parser
 

@@ -40,10 +40,14 @@ class StackConfig:
     budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume, GiB (0 = unlimited)"})
     api_keys: str = field(default="", metadata={"help": "KEY:TENANT,...; empty = open local mode"})
     admin_token: str = field(default="", metadata={"help": "admin bearer token (default: random, printed)"})
-    cache: bool = field(default=True, metadata={"help": "serve and save cached prefixes"})
+    cache: bool = field(default=True, metadata={"help": "serve and save cached prefixes (disk and memory tiers)"})
     remote_cache: bool = field(default=False, metadata={
         "help": "engines read and save through the kvstore service instead of mounting the volumes"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long to wait for every service"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "engines give each sequence bit-identical logits whatever shares its steps (slower)"})
+    pool_gib: float = field(default=0.0, metadata={
+        "help": "latent pool per engine, GiB (0: the engine's default share of memory)"})
 
 
 class Stack:
@@ -94,10 +98,16 @@ class Stack:
                 "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib)])
             for i, url in enumerate(self.engine_urls):
                 engine_cache = ["--host", self.cfg.host, "--admin-token", self.admin_token]
-                if cache and self.cfg.remote_cache:
+                if not cache:
+                    engine_cache.append("--no-memory-tier")
+                elif self.cfg.remote_cache:
                     engine_cache += ["--kvstore-url", self.kvstore_url]
-                elif cache:
+                else:
                     engine_cache = common + volume_flags
+                if self.cfg.batch_invariant:
+                    engine_cache.append("--batch-invariant")
+                if self.cfg.pool_gib:
+                    engine_cache += ["--pool-gib", str(self.cfg.pool_gib)]
                 self._spawn(f"engine{i}", "services.engine", engine_cache + [
                     "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
                     "--cache-dtype", self.cfg.cache_dtype,

@@ -27,11 +27,12 @@ def test_tiny_run_measures_miss_cold_and_warm_hits_bound_and_baseline(tmp_path):
     for n in (192, 320):
         requests = result["requests"][str(n)]
         assert requests["miss"][0]["cached_tokens"] == 0
-        for kind in ("cold_hit", "warm_hit"):
+        for kind in ("cold_hit", "warm_hit", "memory_hit"):
             hit = requests[kind][0]
             assert hit["cached_tokens"] == hit["loaded_tokens"] == n - 64
             assert hit["client_ttft_s"] >= hit["gateway_ttft_s"] >= hit["engine_ttft_s"] > 0
-            assert hit["loaded_bytes"] == (n - 64) * 2 * 48 * 2  # tokens x layers x latent dims x bf16
+            # Disk hits read tokens x layers x latent dims x bf16; a memory hit reads nothing.
+            assert hit["loaded_bytes"] == (0 if kind == "memory_hit" else (n - 64) * 2 * 48 * 2)
         assert requests["engine_peak_rss_bytes"] > 0
         diy = result["transformers"][str(n)]["repeats"][0]
         assert diy["miss_s"] > 0 and diy["cold_hit_s"] > 0 and diy["cache_file_bytes"] > 0

@@ -51,9 +51,9 @@ def client(stack, key="key-a"):
     return OpenAI(base_url=stack.gateway_url + "/v1", api_key=key, max_retries=0, timeout=300)
 
 
-def chat(stack, messages, key="key-a", max_tokens=12):
+def chat(stack, messages, key="key-a", max_tokens=12, **extra):
     return client(stack, key).chat.completions.create(model="deepseek-chat", messages=messages,
-                                                      max_tokens=max_tokens, temperature=0)
+                                                      max_tokens=max_tokens, temperature=0, **extra)
 
 
 def wait_for_saves(stack):
@@ -150,26 +150,34 @@ def _engine_loaded_tokens(url):
 
 
 async def test_a_prefix_saved_through_one_engine_is_hit_through_the_other(stack):
+    """Engine 0 computes and saves a prefix; engine 1 (pinned with the admin header, not by the router's
+    choice) reads it from disk; engine 0 serves the repeat from its memory tier."""
     from openai import AsyncOpenAI
     aclient = AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="key-a", max_retries=0, timeout=300)
-    messages = [{"role": "system", "content": SYSTEM + " Replica test."}, {"role": "user", "content": "Go"}]
-    before = [_engine_loaded_tokens(u) for u in stack.engine_urls]
-    await aclient.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=4, temperature=0)
-    wait_for_saves(stack)
-    # Keep one engine busy with a long answer so that the router sends the repeat to the other one.
-    busy = asyncio.create_task(aclient.chat.completions.create(
-        model="deepseek-chat", messages=[{"role": "user", "content": "busy"}], max_tokens=3000, temperature=0))
-    await asyncio.sleep(1.0)
-    hits = []
-    for _ in range(2):
+    messages = [{"role": "system", "content": "Replica test. " + SYSTEM}, {"role": "user", "content": "Go"}]
+
+    async def on(engine: int):
+        pin = {"X-DeepInfer-Engine": str(engine), "X-DeepInfer-Admin-Token": stack.admin_token}
         reply = await aclient.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=4,
-                                                      temperature=0)
-        hits.append(reply.usage.prompt_cache_hit_tokens)
-    busy.cancel()
-    after = [_engine_loaded_tokens(u) for u in stack.engine_urls]
-    loaded = [a - b for a, b in zip(after, before)]
-    assert all(h > 0 for h in hits)
-    assert all(n > 0 for n in loaded), f"both engines must have served a hit, loaded tokens {loaded}"
+                                                      temperature=0, extra_headers=pin)
+        return reply.usage.prompt_cache_hit_tokens, reply.choices[0].message.content
+
+    before = [_engine_loaded_tokens(u) for u in stack.engine_urls]
+    first_hits, first = await on(0)
+    wait_for_saves(stack)
+    disk_hits, on_other = await on(1)
+    memory_hits, again = await on(0)
+    loaded = [a - b for a, b in zip([_engine_loaded_tokens(u) for u in stack.engine_urls], before)]
+    assert first_hits == 0 and disk_hits > 0 and memory_hits == disk_hits, (first_hits, disk_hits, memory_hits)
+    assert loaded == [memory_hits, disk_hits], f"loaded tokens per engine {loaded}"
+    assert on_other == first == again
+
+
+def test_pinning_an_engine_needs_the_admin_token(stack):
+    with pytest.raises(Exception) as refused:
+        chat(stack, [{"role": "user", "content": "pin"}], max_tokens=2,
+             extra_headers={"X-DeepInfer-Engine": "1", "X-DeepInfer-Admin-Token": "wrong"})
+    assert getattr(refused.value, "status_code", None) == 403
 
 
 def test_readme_curl_example_returns_usage(stack):

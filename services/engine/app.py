@@ -81,8 +81,9 @@ def parse_job(body: object, fingerprint: str, block_tokens: int) -> Job:
     except (TypeError, ValueError) as error:
         raise BadJob(str(error)) from None
     token_array = np.asarray(tokens, np.int64)
+    digest = _field(body, "logits_digest", bool, False)
     return Job(str(body.get("request_id") or uuid.uuid4().hex), token_array, tenant, salt,
-               _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention)
+               _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest)
 
 
 def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:

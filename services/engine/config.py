@@ -48,6 +48,9 @@ class EngineConfig:
     pool_gib: float = field(default=0.0, metadata={
         "help": f"latent pool size in GiB (0: {POOL_MEMORY_SHARE:.0%} of this machine's memory, at most "
                 f"{POOL_GIB_CAP:g} GiB, so several engines and stacks share a machine)"})
+    memory_tier: bool = field(default=True, metadata={
+        "help": "keep finished sequences' blocks in the pool, keyed by block hash, and serve repeated prefixes "
+                "from there (the memory tier)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "a sequence's logits are bit-identical whatever shares its steps (fixed batch shape, fixed "
                 "prefill cuts; costs throughput, see BENCHMARKS.md)"})

@@ -12,6 +12,8 @@ load plus its suffix's compute (the load is the smaller part here: see BENCHMARK
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import logging
 import queue
 import threading
@@ -56,15 +58,17 @@ class Engine:
         self.latents = LatentPool(model_cfg, num_pages, self.B)
         self.runner = PagedRunner(loaded.model, model_cfg, self.latents, chunk_tokens=cfg.chunk_tokens,
                                   fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0)
-        self.pages = PagePool(num_pages)
+        self.pages = PagePool(num_pages, cfg.memory_tier)
         self.scheduler = Scheduler(self.pages, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens,
                                                               cfg.solo_tokens, cfg.batch_invariant))
         self.stops = {model_cfg.eos_token_id}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.saves: set[asyncio.Task] = set()
+        self.saves: set[concurrent.futures.Future] = set()  # saves handed to the event loop, not yet done
+        self._saves_lock = threading.Lock()
         self.prefill_tokens_per_s: float | None = None  # measured at warm-up; sets the load deadline
-        self.waiting = 0  # sequences not yet admitted (read by the event loop)
+        self.waiting = 0  # sequences not yet admitted (changed by both threads, under _count_lock)
         self.active = 0  # sequences admitted and not finished
+        self._count_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -100,8 +104,7 @@ class Engine:
             hashes = extend_block_hashes(hashes, job.tokens, self.loaded.fingerprint, job.tenant_salt, self.B)
         seq = Sequence(job, request_seed(job.params), asyncio.Queue(), asyncio.get_running_loop(),
                        tokens=[int(t) for t in job.tokens], hashes=hashes)
-        self.waiting += 1
-        self.metrics.queue_depth.set(self.waiting)
+        self._count(waiting=1)
         self._inbox.put(seq)
         self._wake.set()
         try:
@@ -129,10 +132,12 @@ class Engine:
         self._wake.set()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, timeout_s)
-        if self.saves:
-            _, pending = await asyncio.wait(set(self.saves), timeout=timeout_s)
-            for task in pending:
-                task.cancel()
+        with self._saves_lock:
+            saves = [asyncio.wrap_future(f) for f in self.saves]
+        if saves:
+            _, pending = await asyncio.wait(saves, timeout=timeout_s)
+            for future in pending:
+                future.cancel()
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -190,8 +195,7 @@ class Engine:
         seq = admission.seq
         first = seq.preemptions == 0
         if first:
-            self.waiting -= 1
-            self.active += 1
+            self._count(waiting=-1, active=1)
             seq.memory_tokens = seq.computed
         seq.published_blocks = len(admission.memory_pages)
         store = self.cache.store
@@ -248,6 +252,9 @@ class Engine:
             log.warning("request %s: cached prefix cut from %d to %d blocks (verification)", seq.request_id,
                         seq.load_blocks, valid)
             self.metrics.cache_fallbacks.labels("verification").inc()
+        # Rows that failed verification (or were never read) must not reach the scratch page: attention
+        # masks those rows' scores, but 0 x NaN in P.V would still poison every padded batch.
+        seq.staging[:, valid * B:] = 0
         if valid > memory:
             padded = seq.staging.shape[1] // B
             targets = [SCRATCH_PAGE] * padded
@@ -272,10 +279,11 @@ class Engine:
             tokens = sample_batch(logits, [SamplingRow(s.job.params, s.seed, s.generated) for s in decode])
             self.metrics.decode_batch.observe(len(decode))
             self.metrics.decode_seconds.inc(time.perf_counter() - begin)
-            for seq, token in zip(decode, tokens):
+            host = np.asarray(logits) if any(s.job.digest for s in decode) else None
+            for i, (seq, token) in enumerate(zip(decode, tokens)):
                 seq.computed += 1
                 self._publish(seq)
-                self._accept(seq, int(token))
+                self._accept(seq, int(token), None if host is None else host[i])
         for seq, n in step.prefill:
             if seq.status is not Status.RUNNING:
                 continue  # preempted above to make room for a decode
@@ -287,7 +295,7 @@ class Engine:
             self._publish(seq)
             if want:
                 token = sample_batch(logits[None], [SamplingRow(seq.job.params, seq.seed, seq.generated)])[0]
-                self._accept(seq, int(token))
+                self._accept(seq, int(token), np.asarray(logits) if seq.job.digest else None)
             elif seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
                 self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
 
@@ -309,13 +317,15 @@ class Engine:
                 seq.pages += self.pages.allocate(1)
         return [seq for seq in decode if seq.status is Status.RUNNING]
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, logits_V: np.ndarray | None = None) -> None:
         if token in self.stops or token in seq.job.params.stop_token_ids:
             self._finish(seq, "stop")
             return
         seq.tokens.append(token)
         seq.generated += 1
         event = {"type": "token", "id": token}
+        if logits_V is not None:
+            event["logits_sha256"] = hashlib.sha256(np.ascontiguousarray(logits_V, np.float32).tobytes()).hexdigest()
         if seq.generated == 1:
             seq.first_token_at = time.perf_counter()
             event["cached_tokens"] = seq.memory_tokens + seq.disk_tokens
@@ -332,8 +342,7 @@ class Engine:
         now = time.perf_counter()
         loaded = seq.memory_tokens + seq.disk_tokens
         self._release(seq, "ok")
-        g = self.loaded.config
-        loaded_bytes = seq.disk_tokens * g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize
+        loaded_bytes = self._disk_bytes(seq)
         self.metrics.generated_tokens.inc(seq.generated)
         seq.emit({"type": "done", "finish_reason": reason, "prompt_tokens": seq.prompt_len,
                   "cached_tokens": loaded, "completion_tokens": seq.generated,
@@ -346,23 +355,33 @@ class Engine:
         if seq.prefetch is not None:
             self.loop.call_soon_threadsafe(seq.prefetch.cancel)
         if seq.status is Status.WAITING and seq.preemptions == 0:
-            self.waiting -= 1
-            self.active += 1  # _release counts it out
+            self._count(waiting=-1, active=1)  # _release counts it out
         self._release(seq, "cancelled")
 
+    def _count(self, waiting: int = 0, active: int = 0) -> None:
+        with self._count_lock:
+            self.waiting += waiting
+            self.active += active
+
     def _release(self, seq: Sequence, outcome: str) -> None:
-        """Publishes and saves what the sequence computed, then frees its pages."""
-        if seq.status is Status.RUNNING:
+        """Publishes and saves what the sequence computed (unless its step failed), then frees its pages."""
+        if seq.status is Status.RUNNING and outcome != "error":
             self._publish(seq)
             self._save(seq)
         self.scheduler.remove(seq)
-        self.active -= 1
+        self._count(active=-1)
         self.metrics.requests.labels(outcome).inc()
         loaded = seq.memory_tokens + seq.disk_tokens
         if outcome == "ok":
             self.metrics.prefix_hit_tokens.labels("memory").inc(seq.memory_tokens)
             self.metrics.prefix_hit_tokens.labels("disk").inc(seq.disk_tokens)
             self.metrics.prefill_tokens.labels("loaded").inc(loaded)
+            self.metrics.bytes_loaded.inc(self._disk_bytes(seq))
+            self.metrics.prefetch_stall.inc(seq.stall_s)
+
+    def _disk_bytes(self, seq: Sequence) -> int:
+        g = self.loaded.config
+        return seq.disk_tokens * g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize
 
     # -- the two tiers --
 
@@ -393,21 +412,26 @@ class Engine:
         layers = [self.latents.read(layer, seq.pages[start:full]) for layer in range(self.loaded.config.num_layers)]
         hashes = self._hashes(seq, full)
         seq.saved_blocks = full
-        asyncio.run_coroutine_threadsafe(self._save_async(store, seq.job, hashes, layers, start), self.loop)
+        # Counted as pending from here (not from when the loop starts it): a caller that saw the
+        # request's 'done' event and then reads pending_saves == 0 knows the blocks are published.
+        future = asyncio.run_coroutine_threadsafe(self._save_async(store, seq.job, hashes, layers, start), self.loop)
+        with self._saves_lock:
+            self.saves.add(future)
+        future.add_done_callback(self._save_done)
+
+    def _save_done(self, future) -> None:
+        with self._saves_lock:
+            self.saves.discard(future)
 
     async def _save_async(self, store, job: Job, hashes: list[bytes], layers: list, start: int) -> None:
-        task = asyncio.current_task()
-        self.saves.add(task)
         try:
-            host = await asyncio.to_thread(lambda: [np.asarray(x) for x in layers])
+            host = await asyncio.to_thread(lambda: [self.latents.host(x) for x in layers])
             result = await store.save(hashes, host, start_block=start, tenant=job.tenant, retention=job.retention)
             self.metrics.saves.labels("ok").inc()
             self.metrics.saved_blocks.inc(result.blocks)
         except Exception as error:  # noqa: BLE001 - a failed save never fails the request
             log.warning("request %s: saving %d blocks failed: %r", job.request_id, len(hashes) - start, error)
             self.metrics.saves.labels("failed").inc()
-        finally:
-            self.saves.discard(task)
 
     def _update_gauges(self) -> None:
         m = self.metrics

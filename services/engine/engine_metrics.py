@@ -15,7 +15,7 @@ class EngineMetrics:
                                       "Prompt tokens by source: computed or loaded from the cache",
                                       ["source"], registry=r)
         self.prefetch_stall = Counter("deepinfer_engine_prefetch_stall_seconds_total",
-                                      "Time compute waited for cached latents", registry=r)
+                                      "Time disk hits waited for their prefix to load (other sequences kept running)", registry=r)
         self.bytes_loaded = Counter("deepinfer_engine_loaded_bytes_total", "Latent bytes loaded on hits",
                                     registry=r)
         self.generated_tokens = Counter("deepinfer_engine_generated_tokens_total", "Tokens generated",

@@ -22,8 +22,9 @@ class PoolExhausted(Exception):
 
 
 class PagePool:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, memory_tier: bool = True):
         self.num_pages = num_pages
+        self.memory_tier = memory_tier  # off: nothing is published, so nothing is shared or kept
         self._free: deque[int] = deque(p for p in range(num_pages) if p != SCRATCH_PAGE)
         self._ref = [0] * num_pages
         self._page_of: dict[bytes, int] = {}  # block hash -> page (owned or hot)
@@ -69,7 +70,7 @@ class PagePool:
         """The page now holds the complete latents of the block named `block_hash`."""
         if self._ref[page] <= 0:
             raise ValueError(f"page {page} is not owned")
-        if block_hash in self._page_of or page in self._hash_of:
+        if not self.memory_tier or block_hash in self._page_of or page in self._hash_of:
             return  # another page already serves this block (two sequences computed it at once)
         self._page_of[block_hash] = page
         self._hash_of[page] = block_hash

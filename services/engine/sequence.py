@@ -21,6 +21,7 @@ class Job(NamedTuple):
     hit: Hit  # from the gateway's lookup; may be empty
     params: SamplingParams
     retention: str
+    digest: bool = False  # put a SHA-256 of each token's logits (float32 bytes) in its event
 
 
 class Status(enum.Enum):

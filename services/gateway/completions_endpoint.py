@@ -21,11 +21,14 @@ from services.gateway.openai_requests import (ChatCompletionRequest, CompletionR
                                               parse_json_body)
 from services.gateway.openai_responses import (ResponseHeader, Usage, chat_chunk,
                                                chat_completion, text_completion, usage_chunk)
+from services.gateway.tenants import admin_allowed
 
 log = logging.getLogger(__name__)
 
 STATE = web.AppKey("gateway_state", GatewayState)
 ARRIVED = web.RequestKey("arrived_monotonic_s", float)  # set by the app's middleware
+PIN_HEADER = "X-DeepInfer-Engine"  # an engine URL or index: run the request there (admin only)
+PIN_ADMIN_HEADER = "X-DeepInfer-Admin-Token"  # Authorization carries the API key; the admin token rides here
 
 
 async def _authorized_body(request: web.Request) -> tuple[GatewayState, object, dict]:
@@ -67,7 +70,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
                             int(time.time()), state.config.served_model)
     eos = (state.tokenizer.special.eos,)
     job = GenerationJob(header.id, tokens, tenant, parsed.sampling, parsed.retention, eos,
-                        "messages" if chat else "prompt")
+                        "messages" if chat else "prompt", _pinned_engine(request, state))
     state.metrics.in_flight.inc()
     try:
         async with state.router.generation(job) as generation:
@@ -83,6 +86,19 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
         raise
     finally:
         state.metrics.in_flight.dec()
+
+
+def _pinned_engine(request: web.Request, state: GatewayState) -> str | None:
+    """An admin may pin a request to one engine (URL or index in --engine order): tests and operators
+    choose where a request runs instead of the router."""
+    pin = request.headers.get(PIN_HEADER)
+    if pin is None:
+        return None
+    if not admin_allowed("Bearer " + request.headers.get(PIN_ADMIN_HEADER, ""), state.config.admin_token):
+        raise OpenAIError(f"{PIN_HEADER} needs a valid admin token in {PIN_ADMIN_HEADER}.",
+                          code="invalid_admin_token", status=403, error_type="permission_error",
+                          param=PIN_HEADER)
+    return pin
 
 
 def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool) -> Usage:

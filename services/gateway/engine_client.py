@@ -38,6 +38,7 @@ class EngineStats(NamedTuple):
     max_context: int   # tokens, prompt + completion
     block_tokens: int  # tokens per cached block
     in_flight: int
+    hot_blocks: frozenset[bytes] = frozenset()  # block hashes the engine holds in its memory tier
 
 
 class EngineUnavailable(Exception):
@@ -88,7 +89,8 @@ class EngineClient:
         return EngineStats(fingerprint=str(body["fingerprint"]), model=str(body["model"]),
                            max_context=int(body["max_context"]),
                            block_tokens=int(body["block_tokens"]),
-                           in_flight=int(body.get("in_flight", 0)))
+                           in_flight=int(body.get("in_flight", 0)),
+                           hot_blocks=frozenset(bytes.fromhex(h) for h in body.get("hot_blocks", ())))
 
     @asynccontextmanager
     async def generate(self, job: dict) -> AsyncIterator[AsyncIterator[EngineEvent]]:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 _TOP_K_MAX = 2 ** 31 - 1  # any k beyond the vocabulary means "all tokens"; keep it int32
 _HASH_IN_THREAD_TOKENS = 16_384  # hashing ~0.1 ms per block; above this, keep the loop free
+HOT_ROUTE_SLACK = 4  # requests in flight an engine holding the prefix hot may be ahead by and still win
 
 
 class GenerationJob(NamedTuple):
@@ -36,6 +37,7 @@ class GenerationJob(NamedTuple):
     retention: str                 # "chat" | "agent"
     stop_token_ids: tuple[int, ...]
     prompt_param: str              # request field blamed for an over-long prompt
+    engine: str | None = None      # pinned by an admin (X-DeepInfer-Engine): an engine URL or index
 
 
 class Generation(NamedTuple):
@@ -65,6 +67,12 @@ class EngineRouter:
             raise unavailable(f"No engine is ready to serve requests (0 of "
                               f"{len(self._pool.engines)} ready). Try again shortly.")
         prefixes: dict[tuple[str, int], tuple[list[bytes], Hit]] = {}
+        if job.engine is not None:
+            ranked = [e for i, e in enumerate(self._pool.engines) if job.engine in (e.client.url, str(i))]
+            if not ranked or not ranked[0].routable or ranked[0].stats is None:
+                raise unavailable(f"The pinned engine {job.engine!r} is not ready.")
+        else:
+            ranked = await self._prefer_hot(job, ranked, prefixes)
         failures: list[EngineUnavailable] = []
         for engine in ranked:
             stats = engine.stats
@@ -97,6 +105,29 @@ class EngineRouter:
         retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
         raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
                           "token. Try again shortly.", retry_after_s=min(retry_after, default=1))
+
+    async def _prefer_hot(self, job: GenerationJob, ranked: list, prefixes: dict) -> list:
+        """Cache-aware order: the engine holding the longest leading run of the prompt's blocks in its
+        memory tier goes first, unless it has HOT_ROUTE_SLACK more requests in flight than the least
+        loaded engine (then the prefix is worth less than the queue)."""
+        best, best_run = None, 0
+        for engine in ranked:
+            if not engine.stats.hot_blocks:
+                continue
+            key = (engine.stats.fingerprint, engine.stats.block_tokens)
+            if key not in prefixes:
+                prefixes[key] = await self._hashes_and_hit(job, engine.stats)
+            run = 0
+            for block in prefixes[key][0]:
+                if block not in engine.stats.hot_blocks:
+                    break
+                run += 1
+            if run > best_run:
+                best, best_run = engine, run
+        if best is None or best is ranked[0] or best.in_flight - ranked[0].in_flight >= HOT_ROUTE_SLACK:
+            return ranked
+        self._metrics.hot_routes.inc()
+        return [best] + [e for e in ranked if e is not best]
 
     def _max_tokens(self, job: GenerationJob, stats: EngineStats) -> int:
         prompt = len(job.tokens)

@@ -26,6 +26,9 @@ class GatewayMetrics:
         self.engine_failures = Counter("gateway_engine_failures_total",
                                        "Engine attempts that failed, by engine and reason",
                                        ["engine", "reason"], registry=r)
+        self.hot_routes = Counter("gateway_hot_routes_total",
+                                  "Requests routed to an engine that held their prefix in memory "
+                                  "ahead of a less loaded one", registry=r)
         self.client_disconnects = Counter("gateway_client_disconnects_total",
                                           "Requests cancelled because the client went away",
                                           registry=r)

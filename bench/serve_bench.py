@@ -1,0 +1,230 @@
+"""serve_bench: serving throughput and latency through the gateway, modelled on vLLM's benchmark_serving.
+
+    python -m bench.serve_bench            # or: deepinfer bench serve
+    python -m bench.serve_bench --preset tiny --sessions 6 --concurrency 1,4 --long-tokens 1024  # a quick run
+
+Workload: multi-turn sessions (at least --min-turns turns) of the Mooncake conversation trace
+(../shared/data): each trace hash id becomes a fixed run of --hash-tokens token ids (the trace's 512
+scaled down so prompts fit this machine; equal ids give equal tokens, so a session's turns share
+their prefix), output lengths from the trace capped at --max-output. Phases (--phases):
+  sweep        closed loop at each --concurrency (each user sends whole sessions, turn after turn),
+               then a Poisson run at --rate requests/s: request and output token throughput, TTFT,
+               TPOT, ITL (mean, p50, p90, p99)
+  cache        the same multi-turn workload at --cache-concurrency users on a stack with the cache off
+               (no disk tier, no memory tier) beside the cache-on numbers of the sweep
+  interference a --long-tokens miss sent while --streams streams decode: their TPOT p99 during its
+               prefill against their TPOT with nothing else running, and its TTFT against its TTFT alone
+The stacks are started here (one engine, --preset, fresh data dir each) unless --url is given.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench import report
+from bench.serve_client import Client, closed_loop, percentiles, poisson, summarize
+from bench.trace_format import DEFAULT_TRACE, load_trace, prompt_token_ids, scale_request, session_slice
+from bench.trace_live import TOKEN_RANGE
+
+COMMAND = "python -m bench.serve_bench"
+
+
+def say(message: str) -> None:
+    print(f"[serve_bench] {message}", flush=True)
+
+
+def workload(args) -> list[list[tuple[list[int], int]]]:
+    """Sessions of (prompt token ids, max_tokens), in trace order."""
+    trace = load_trace(args.trace, limit=args.trace_limit)
+    chosen = session_slice(trace, args.sessions, min_turns=args.min_turns)
+    factor = 512 // args.hash_tokens
+    sessions: dict[tuple, list] = {}
+    for request in chosen:
+        scaled = scale_request(request, factor)
+        prompt = prompt_token_ids(scaled, args.hash_tokens, TOKEN_RANGE)
+        sessions.setdefault(request.hash_ids[:2], []).append((prompt, min(args.max_output, scaled.output_length)))
+    return [turns[: args.max_turns] for turns in sessions.values()]
+
+
+class StackRun:
+    """A stack of this machine (one engine) for one phase, or the --url stack."""
+
+    def __init__(self, args, cache: bool, name: str):
+        self.args, self.cache, self.name, self.stack, self.dir = args, cache, name, None, None
+
+    def __enter__(self) -> str:
+        if self.args.url:
+            return self.args.url
+        from services.launcher import Stack, StackConfig
+        from tests.conftest import free_port, free_ports
+        self.dir = Path(tempfile.mkdtemp(prefix=f"serve_bench_{self.name}_", dir=self.args.dir))
+        # Every phase's stack serves the same weights (a preset's are created once under --models-dir).
+        model_dir = self.args.model_dir or str(ensure_model(self.args))
+        cfg = StackConfig(preset=self.args.preset, model_dir=model_dir, data_dir=str(self.dir),
+                          cache=self.cache, gateway_port=free_port(), kvstore_port=free_port(),
+                          engine_port=free_ports(1), redis_port=free_port(), ready_timeout_s=900,
+                          batch_invariant=self.args.batch_invariant)
+        say(f"starting a stack ({'cache on' if self.cache else 'cache off'}) in {self.dir}")
+        os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
+        self.stack = Stack(cfg, quiet=True).start()
+        return self.stack.gateway_url
+
+    def __exit__(self, *exc) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def ensure_model(args) -> Path:
+    from services.engine.model_source import ensure_preset
+    return ensure_preset(args.preset, args.models_dir)
+
+
+async def sweep(args, url: str, sessions, result: dict) -> None:
+    out = result["sweep"] = {}
+    async with Client(url) as client:
+        # Warm-up: compiles the shapes of this workload once, outside every measurement.
+        await closed_loop(client, [s[:1] for s in sessions[: min(4, len(sessions))]], 4)
+        for c in args.concurrency:
+            picked = sessions[: max(args.min_sessions, c)]
+            say(f"closed loop, {c} users, {len(picked)} sessions ({sum(map(len, picked))} requests)")
+            results, duration = await closed_loop(client, picked, c)
+            out[str(c)] = summarize(results, duration)
+            _said(out[str(c)])
+        if args.rate:
+            requests = [turn for s in sessions for turn in s][: args.rate_requests]
+            say(f"Poisson arrivals at {args.rate} requests/s, {len(requests)} requests")
+            results, duration = await poisson(client, requests, args.rate)
+            result["poisson"] = summarize(results, duration) | {"rate": args.rate}
+            _said(result["poisson"])
+
+
+async def cache_off(args, url: str, sessions, result: dict) -> None:
+    c = args.cache_concurrency
+    picked = sessions[: max(args.min_sessions, c)]
+    async with Client(url) as client:
+        await closed_loop(client, [s[:1] for s in sessions[: min(4, len(sessions))]], 4)
+        say(f"cache off: closed loop, {c} users, {len(picked)} sessions")
+        results, duration = await closed_loop(client, picked, c)
+    result["cache_off"] = {str(c): summarize(results, duration)}
+    _said(result["cache_off"][str(c)])
+
+
+async def interference(args, url: str, result: dict) -> None:
+    rng = np.random.default_rng(11)
+    fresh = lambda n: rng.integers(*TOKEN_RANGE, n).tolist()  # noqa: E731 - prompts nobody sent before
+    out = result["interference"] = {"streams": args.streams, "long_tokens": args.long_tokens}
+    async with Client(url) as client:
+        await client.complete(fresh(64), 4)
+        say(f"{args.streams} streams alone")
+        idle = await asyncio.gather(*(client.complete(fresh(64), args.stream_tokens) for _ in range(args.streams)))
+        out["idle_tpot_s"] = percentiles([r.tpot_s for r in idle])
+        out["idle_itl_s"] = percentiles([g for r in idle for g in r.itl_s])
+        say(f"a {args.long_tokens}-token miss alone")
+        alone = await client.complete(fresh(args.long_tokens), 4)
+        out["long_alone_ttft_s"] = alone.ttft_s
+        say(f"the {args.long_tokens}-token miss while {args.streams} streams decode")
+        # Enough tokens to outlast the long prefill three times over at the idle pace.
+        budget = int(alone.ttft_s / max(out["idle_tpot_s"]["p50"], 1e-3) * 3) + args.stream_tokens
+        started = [asyncio.Event() for _ in range(args.streams)]
+        streams = [asyncio.create_task(client.complete(fresh(64), budget, first_token=e)) for e in started]
+        await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding
+        long = await client.complete(fresh(args.long_tokens), 4)
+        for t in streams:
+            t.cancel()
+        busy = await asyncio.gather(*streams, return_exceptions=True)
+    window = (long.send_s, long.send_s + long.ttft_s)
+    gaps = [b - a for r in busy if not isinstance(r, BaseException)
+            for a, b in zip(r.token_times_s, r.token_times_s[1:]) if window[0] <= b <= window[1]]
+    out["during_itl_s"] = percentiles(gaps)
+    out["long_together_ttft_s"] = long.ttft_s
+    out["tpot_p99_ratio"] = out["during_itl_s"]["p99"] / out["idle_tpot_s"]["p99"]
+    out["long_ttft_ratio"] = long.ttft_s / alone.ttft_s
+    say(f"streams' p99 gap during the long prefill {out['during_itl_s']['p99']:.3f} s vs idle TPOT p99 "
+        f"{out['idle_tpot_s']['p99']:.3f} s ({out['tpot_p99_ratio']:.2f}x); long TTFT {long.ttft_s:.1f} s vs alone "
+        f"{alone.ttft_s:.1f} s ({out['long_ttft_ratio']:.2f}x)")
+
+
+def _said(s: dict) -> None:
+    say(f"  {s['completed']}/{s['requests']} ok in {s['duration_s']:.1f} s: {s['request_throughput']:.3f} req/s, "
+        f"{s['output_token_throughput']:.2f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
+        f"TPOT p50 {s['tpot_s']['p50'] * 1000:.0f} ms, hit tokens {s['hit_tokens']}")
+
+
+def measure(args) -> dict:
+    sessions = workload(args)
+    result = {"machine": report.machine(), "preset": args.preset, "hash_tokens": args.hash_tokens,
+              "max_output": args.max_output, "sessions": len(sessions),
+              "requests": sum(map(len, sessions)),
+              "prompt_tokens_median": statistics.median(len(p) for s in sessions for p, _ in s),
+              "load_average_start": os.getloadavg()[0], "phases": args.phases}
+    say(f"{len(sessions)} sessions, {result['requests']} requests, median prompt {result['prompt_tokens_median']} "
+        "tokens")
+    begin = time.perf_counter()
+    if "sweep" in args.phases or "interference" in args.phases:
+        with StackRun(args, cache=True, name="on") as url:
+            if "sweep" in args.phases:
+                asyncio.run(sweep(args, url, sessions, result))
+            if "interference" in args.phases:
+                asyncio.run(interference(args, url, result))
+    if "cache" in args.phases:
+        with StackRun(args, cache=False, name="off") as url:
+            asyncio.run(cache_off(args, url, sessions, result))
+    result["wall_s"] = time.perf_counter() - begin
+    result["load_average_end"] = os.getloadavg()[0]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serve_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--model-dir", default="", help="a saved model instead of the preset")
+    p.add_argument("--models-dir", default="data/models", help="where the preset's weights are (created once)")
+    p.add_argument("--url", default="", help="an already running gateway (then --phases cache is skipped)")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--trace-limit", type=int, default=3000, help="trace records read to pick sessions from")
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--min-turns", type=int, default=3)
+    p.add_argument("--max-turns", type=int, default=3, help="turns per session sent")
+    p.add_argument("--min-sessions", type=int, default=4, help="sessions per closed-loop run at least")
+    p.add_argument("--hash-tokens", type=int, default=16, help="token ids per trace hash id (the trace's is 512)")
+    p.add_argument("--max-output", type=int, default=32, help="cap on each request's output tokens")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second (0: no Poisson run)")
+    p.add_argument("--rate-requests", type=int, default=48)
+    p.add_argument("--cache-concurrency", type=int, default=16)
+    p.add_argument("--streams", type=int, default=15)
+    p.add_argument("--stream-tokens", type=int, default=32, help="tokens per stream when idle")
+    p.add_argument("--long-tokens", type=int, default=16384)
+    p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference"])
+    p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--dir", default=None, help="where stacks' data dirs go (default: the system temp dir)")
+    p.add_argument("--name", default="serve_bench")
+    p.add_argument("--no-report", action="store_true", help="write JSON only (no plots, no BENCHMARKS.md)")
+    args = p.parse_args(argv)
+    if args.url and "cache" in args.phases:
+        args.phases.remove("cache")
+    if 512 % args.hash_tokens:
+        raise SystemExit("--hash-tokens must divide 512")
+    result = measure(args)
+    result["command"] = f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    report.write_json(args.name, result)
+    if not args.no_report:
+        from bench import serve_report
+        serve_report.write(result, args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

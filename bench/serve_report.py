@@ -1,0 +1,113 @@
+"""serve_bench's report: tables for BENCHMARKS.md and plots, stating only what the run measured."""
+from __future__ import annotations
+
+import math
+
+from bench import report
+
+
+def _ms(p: dict, key: str) -> str:
+    v = p.get(key, math.nan)
+    return "-" if v is None or math.isnan(v) else f"{v * 1000:.0f}"
+
+
+def _row(label: str, s: dict) -> list:
+    return [label, f"{s['completed']}/{s['requests']}", f"{s['duration_s']:.1f}", f"{s['request_throughput']:.3f}",
+            f"{s['output_token_throughput']:.2f}", f"{s['hit_tokens']}/{s['total_input_tokens']}",
+            *(_ms(s["ttft_s"], k) for k in ("mean", "p50", "p90", "p99")),
+            *(_ms(s["tpot_s"], k) for k in ("mean", "p50", "p90", "p99")),
+            *(_ms(s["itl_s"], k) for k in ("p50", "p99"))]
+
+
+HEADER = ["run", "ok", "s", "req/s", "output tok/s", "hit / prompt tokens", "TTFT mean ms", "p50", "p90", "p99",
+          "TPOT mean ms", "p50", "p90", "p99", "ITL p50 ms", "p99"]
+
+
+def goals(result: dict) -> list[str]:
+    """The issue's goals, each with the number this run measured."""
+    lines = []
+    sweep = result.get("sweep", {})
+    if "1" in sweep and "16" in sweep:
+        ratio = sweep["16"]["output_token_throughput"] / sweep["1"]["output_token_throughput"]
+        lines.append(f"- output token throughput, 16 users / 1 user: **{ratio:.2f}x** (goal >= 8x)")
+    if "cache_off" in result and sweep:
+        c = next(iter(result["cache_off"]))
+        if c in sweep:
+            ratio = sweep[c]["request_throughput"] / result["cache_off"][c]["request_throughput"]
+            lines.append(f"- multi-turn request throughput at {c} users, cache on / off: **{ratio:.2f}x** "
+                         "(goal >= 3x)")
+    inter = result.get("interference")
+    if inter:
+        lines.append(f"- while a {inter['long_tokens']}-token miss prefills, the {inter['streams']} streams' p99 "
+                     f"token gap / their idle TPOT p99: **{inter['tpot_p99_ratio']:.2f}x** (goal <= 3x); the miss's "
+                     f"TTFT / alone: **{inter['long_ttft_ratio']:.2f}x** (goal <= 1.5x)")
+    return lines
+
+
+def plots(result: dict, name: str) -> list[str]:
+    plt = report_plt()
+    made = []
+    sweep = result.get("sweep", {})
+    if sweep:
+        cs = sorted(int(c) for c in sweep)
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        a.plot(cs, [sweep[str(c)]["output_token_throughput"] for c in cs], "o-", label="cache on")
+        if "cache_off" in result:
+            for c, s in result["cache_off"].items():
+                a.plot([int(c)], [s["output_token_throughput"]], "x", markersize=10, label=f"cache off ({c} users)")
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent users (closed loop)")
+        a.set_ylabel("output tokens/s")
+        a.grid(alpha=0.3)
+        a.legend()
+        for key, style in (("p50", "o-"), ("p99", "s--")):
+            b.plot(cs, [sweep[str(c)]["ttft_s"][key] for c in cs], style, label=f"TTFT {key}")
+            b.plot(cs, [sweep[str(c)]["tpot_s"][key] for c in cs], style, label=f"TPOT {key}")
+        b.set_xscale("log", base=2)
+        b.set_yscale("log")
+        b.set_xlabel("concurrent users (closed loop)")
+        b.set_ylabel("seconds (log)")
+        b.grid(alpha=0.3, which="both")
+        b.legend(fontsize=8)
+        fig.suptitle(f"serve_bench, {result['preset']}: {result['machine']}", fontsize=9)
+        fig.tight_layout()
+        path = report.RESULTS / f"{name}_sweep.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path.name)
+    return made
+
+
+def report_plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def write(result: dict, name: str) -> None:
+    rows = [_row(f"{c} users", s) for c, s in sorted(result.get("sweep", {}).items(), key=lambda kv: int(kv[0]))]
+    if "poisson" in result:
+        rows.append(_row(f"Poisson {result['poisson']['rate']}/s", result["poisson"]))
+    rows += [_row(f"{c} users, cache off", s) for c, s in result.get("cache_off", {}).items()]
+    images = plots(result, name)
+    inter = result.get("interference")
+    body = [f"Command: `{result['command']}` ({result['wall_s'] / 60:.0f} min; load average "
+            f"{result['load_average_start']:.1f} at the start, {result['load_average_end']:.1f} at the end).",
+            f"Machine: {result['machine']}. Model `{result['preset']}`, one engine, through the gateway. Workload: "
+            f"{result['requests']} requests of {result['sessions']} Mooncake conversation sessions (>= 3 turns), "
+            f"{result['hash_tokens']} token ids per trace hash id (median prompt {result['prompt_tokens_median']:.0f} "
+            f"tokens), outputs capped at {result['max_output']} tokens. Metrics as vLLM's benchmark_serving; "
+            "percentiles are nearest-rank over the run's requests.", "", report.markdown_table(HEADER, rows), ""]
+    if inter:
+        body += [report.markdown_table(
+            ["streams", "long prompt", "idle TPOT p50 / p99 ms", "gap during the long prefill p50 / p99 ms",
+             "long TTFT alone s", "long TTFT among streams s"],
+            [[inter["streams"], inter["long_tokens"], f"{_ms(inter['idle_tpot_s'], 'p50')} / "
+              f"{_ms(inter['idle_tpot_s'], 'p99')}", f"{_ms(inter['during_itl_s'], 'p50')} / "
+              f"{_ms(inter['during_itl_s'], 'p99')}", f"{inter['long_alone_ttft_s']:.1f}",
+              f"{inter['long_together_ttft_s']:.1f}"]]), ""]
+    body += ["Goals, as measured in this run:", *goals(result), ""]
+    body += [f"![serve_bench](bench/results/{image})" for image in images]
+    report.update_section("Serving (serve_bench)", "\n".join(body))

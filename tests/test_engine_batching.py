@@ -1,0 +1,253 @@
+"""The serving engine in-process (tiny model, its real model thread): batching, invariance, preemption,
+interleaving, cancellation and page accounting, with a real Valkey index and real volumes for disk hits."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvstore import CacheGeometry, PrefixIndex, block_hashes, miss, open_redis
+from model.config import preset
+from model.paged_runner import DecodeRow, LatentPool, PagedRunner
+from model.runner import ModelRunner
+from model.sampling import SamplingParams
+from model.weights import init_model, save_model
+from services.engine.cache_link import CacheLink
+from services.engine.config import EngineConfig
+from services.engine.core import Engine
+from services.engine.engine_metrics import EngineMetrics
+from services.engine.sequence import Job
+
+SALT = "5a" * 16
+VOCAB = 129_280
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = preset("tiny")
+    return save_model(init_model(cfg), cfg, tmp_path_factory.mktemp("tiny") / "model")
+
+
+def prompt(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, n)
+
+
+class Running:
+    """An Engine on its model thread, with its cache link (mounted volumes + Valkey, or none)."""
+
+    def __init__(self, loaded, cfg: EngineConfig):
+        self.loaded, self.cfg = loaded, cfg
+        self.metrics = EngineMetrics()
+        geometry = CacheGeometry(loaded.config.num_layers, loaded.config.latent_dim, cfg.block_tokens,
+                                 loaded.config.cache_dtype)
+        self.cache = CacheLink(cfg, geometry, loaded.fingerprint)
+        self.engine = Engine(loaded, cfg, self.cache, self.metrics)
+
+    async def __aenter__(self):
+        await self.cache.start()
+        if self.cfg.caching:
+            for _ in range(200):
+                if self.cache.store is not None:
+                    break
+                await asyncio.sleep(0.05)
+        self.engine.warm_up()
+        self.engine.start(asyncio.get_running_loop())
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.engine.stop(10)
+        await self.cache.close()
+
+    def job(self, tokens, max_tokens=8, hit=None, digest=True, **params) -> Job:
+        return Job(f"r{id(tokens)}", np.asarray(tokens, np.int64), "t", SALT, hit or miss(),
+                   SamplingParams(max_tokens=max_tokens, **params), "chat", digest)
+
+    async def generate(self, job: Job) -> tuple[list[int], list[str], dict]:
+        ids, digests, done = [], [], None
+        async for event in self.engine.run(job):
+            if event["type"] == "token":
+                ids.append(event["id"])
+                digests.append(event.get("logits_sha256"))
+            elif event["type"] == "done":
+                done = event
+            elif event["type"] == "error":
+                raise AssertionError(event)
+        return ids, digests, done
+
+    async def hit(self, tokens) -> object:
+        """The index's hit for `tokens` (as the gateway would look it up), once the saves are durable."""
+        index = PrefixIndex(open_redis(self.cfg.redis_url), self.cfg.index_prefix)
+        hashes = block_hashes(tokens.tolist(), self.loaded.fingerprint, SALT, self.cfg.block_tokens)
+        want = (len(tokens) - 1) // self.cfg.block_tokens
+        for _ in range(200):
+            found = await index.lookup(hashes[:want])
+            if found.blocks == want:
+                return found
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"only {found.blocks} of {want} blocks were published")
+
+    def check_pages(self) -> None:
+        """Every page is free, hot, or owned exactly once by a live sequence's block table."""
+        self.engine.pages.check([seq.pages for seq in self.engine.scheduler.live()])
+
+    async def idle(self) -> None:
+        for _ in range(400):
+            if self.engine.active == 0 and self.engine.waiting == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the engine did not go idle")
+
+
+def engine_config(tmp_path, redis_url: str | None = None, **overrides) -> EngineConfig:
+    cache = {}
+    if redis_url:
+        cache = {"redis_url": redis_url, "volumes": [str(tmp_path / "v0"), str(tmp_path / "v1")],
+                 "index_prefix": f"batching{abs(hash(tmp_path)) % 10**8}"}
+    return EngineConfig(**({"pool_tokens": 64 * 400, "heartbeat_s": 0.2} | cache | overrides))
+
+
+def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny):
+    """Default mode: ragged decode batches over pages give the dense runner's logits (fp tolerance)."""
+    cfg = tiny.config
+    dense = ModelRunner(tiny.model, cfg)
+    pool = LatentPool(cfg, 64, 64)
+    paged = PagedRunner(tiny.model, cfg, pool, chunk_tokens=64)
+    lengths, tables = [70, 200, 5], [[3, 9], [4, 7, 12, 1], [2]]
+    prompts = [prompt(10 + i, n) for i, n in enumerate(lengths)]
+    refs = [dense.prefill(p, reserve=8) for p in prompts]
+    fed = []
+    for p, table, ref in zip(prompts, tables, refs):
+        cut = len(p) // 2  # two segments, the second over the first's pages
+        paged.prefill(p[:cut], 0, table, False)
+        logits = np.asarray(paged.prefill(p[cut:], cut, table, True))
+        np.testing.assert_allclose(logits, ref.logits, atol=1e-4 * np.abs(ref.logits).max())
+        fed.append(int(np.argmax(logits)))
+    for _ in range(3):  # three decode steps with every sequence in one batch
+        rows = [DecodeRow(t, int(r.cache.length), table) for t, r, table in zip(fed, refs, tables)]
+        batch = np.asarray(paged.decode(rows))
+        for i, (t, r) in enumerate(zip(fed, refs)):
+            want = dense.decode_step(t, r.cache)
+            np.testing.assert_allclose(batch[i], want, atol=1e-4 * np.abs(want).max())
+        fed = [int(np.argmax(row)) for row in batch]
+
+
+@pytest.mark.parametrize("kind", ["miss", "memory", "disk"])
+async def test_batch_invariant_logits_are_bit_identical_alone_or_among_16(tiny, tmp_path, valkey_server, kind):
+    cfg = engine_config(tmp_path, valkey_server.connection_url, batch_invariant=True, max_batch=16,
+                        step_tokens=64, solo_tokens=64)
+    lengths = [70 + 37 * i for i in range(16)]
+    prompts = [prompt(100 + i, n) for i, n in enumerate(lengths)]
+    async with Running(tiny, cfg) as run:
+        if kind != "miss":  # every prompt computed once: its blocks are then in memory and on disk
+            for p in prompts:
+                await run.generate(run.job(p, max_tokens=1, digest=False))
+
+        async def job(p):
+            if kind != "memory":
+                await run.engine.drop_memory_tier()
+            return run.job(p, hit=await run.hit(p) if kind == "disk" else None)
+
+        alone = []
+        for p in prompts:
+            alone.append(await run.generate(await job(p)))
+        jobs = [await job(p) for p in prompts]
+        together = await asyncio.gather(*(run.generate(j) for j in jobs))
+        await run.idle()
+        run.check_pages()
+    for (ids_a, sha_a, done_a), (ids_b, sha_b, done_b) in zip(alone, together):
+        assert ids_a == ids_b and sha_a == sha_b and None not in sha_a
+        assert done_a["tiers"] == done_b["tiers"]
+        tier_tokens = done_a["tiers"]["memory" if kind == "memory" else "disk"]
+        assert (tier_tokens > 0) == (kind != "miss"), done_a
+
+
+async def test_a_preempted_sequence_gives_the_same_tokens(tiny, tmp_path):
+    prompts = [prompt(200 + i, 100) for i in range(4)]
+    async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 40)) as run:
+        alone = [(await run.generate(run.job(p, max_tokens=40)))[0] for p in prompts]
+    # 11 pages: four sequences of 100 + 40 tokens need 12, so the youngest is preempted and resumed.
+    async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 10, max_batch=4)) as run:
+        together = await asyncio.gather(*(run.generate(run.job(p, max_tokens=40)) for p in prompts))
+        await run.idle()
+        run.check_pages()
+        assert run.metrics.preemptions._value.get() >= 1
+    assert [ids for ids, _, _ in together] == alone
+
+
+async def test_a_long_prefill_interleaves_with_other_streams_decoding(tiny, tmp_path):
+    cfg = engine_config(tmp_path, step_tokens=32, solo_tokens=32)
+    async with Running(tiny, cfg) as run:
+        got: dict[str, list] = {"a": [], "b": []}
+        long_first_token = asyncio.Event()
+
+        async def stream(name, p):
+            async for event in run.engine.run(run.job(p, max_tokens=200, digest=False)):
+                if event["type"] == "token":
+                    got[name].append(long_first_token.is_set())
+
+        streams = [asyncio.create_task(stream(n, prompt(300 + i, 20))) for i, n in enumerate(got)]
+        while not all(got.values()):
+            await asyncio.sleep(0.01)
+        before = sum(len(v) for v in got.values())
+        ids = []
+        async for event in run.engine.run(run.job(prompt(399, 1200), max_tokens=2, digest=False)):
+            if event["type"] == "token":
+                if not ids:
+                    during = sum(len(v) for v in got.values()) - before
+                    long_first_token.set()
+                ids.append(event["id"])
+        await asyncio.gather(*streams)
+    # 1,200 prompt tokens in 32-token steps (minus two decode tokens each): ~40 steps, each decoding both.
+    assert len(ids) == 2 and during >= 2 * 30, during
+
+
+async def test_a_disconnect_mid_prefill_frees_its_pages_and_computes_nothing_more(tiny, tmp_path, valkey_server):
+    cfg = engine_config(tmp_path, valkey_server.connection_url, step_tokens=32, solo_tokens=32)
+    async with Running(tiny, cfg) as run:
+        computed = run.metrics.prefill_tokens.labels("computed")
+        events = run.engine.run(run.job(prompt(400, 3000), max_tokens=4, digest=False))
+        assert (await anext(events))["type"] == "progress"
+        while computed._value.get() < 200:  # its prefill is under way
+            await asyncio.sleep(0.005)
+        await events.aclose()
+        await run.idle()
+        stopped_at = computed._value.get()
+        await asyncio.sleep(0.3)
+        assert computed._value.get() == stopped_at < 3000
+        assert run.metrics.requests.labels("cancelled")._value.get() == 1
+        assert run.engine.pages.owned_pages == 0
+        run.check_pages()
+        # A disk hit cancelled while it loads reads nothing more and recomputes nothing.
+        p = prompt(401, 640)
+        await run.generate(run.job(p, max_tokens=1, digest=False))
+        await run.engine.drop_memory_tier()
+        hit = await run.hit(p)
+        before = computed._value.get()
+        events = run.engine.run(run.job(p, hit=hit, digest=False))
+        await anext(events)
+        await events.aclose()
+        await run.idle()
+        await asyncio.sleep(0.3)
+        assert computed._value.get() == before
+        assert sum(run.metrics.cache_fallbacks.labels(r)._value.get() for r in ("deadline", "verification")) == 0
+        run.check_pages()
+
+
+async def test_pool_accounting_after_a_mix_of_requests_cancellations_and_preemptions(tiny, tmp_path):
+    rng = np.random.default_rng(7)
+    async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 12, max_batch=6, step_tokens=48)) as run:
+        shared = prompt(500, 130)
+
+        async def one(i):
+            p = np.concatenate([shared, prompt(600 + i, int(rng.integers(1, 120)))]) if i % 2 else prompt(600 + i, 90)
+            events = run.engine.run(run.job(p, max_tokens=int(rng.integers(1, 60)), digest=False))
+            async for event in events:
+                if i % 5 == 0 and event["type"] == "token":
+                    await events.aclose()  # a client that goes away mid-answer
+                    return
+
+        await asyncio.gather(*(one(i) for i in range(24)))
+        await run.idle()
+        run.check_pages()
+        assert run.engine.pages.owned_pages == 0
+        assert run.metrics.preemptions._value.get() >= 1
+        assert run.metrics.prefix_hit_tokens.labels("memory")._value.get() > 0
