@@ -94,26 +94,39 @@ async def sweep(args, url: str, sessions, result: dict) -> None:
     out = result["sweep"] = {}
     async with Client(url) as client:
         # Warm-up: compiles the shapes of this workload once, outside every measurement.
-        await closed_loop(client, [s[:1] for s in sessions[: min(4, len(sessions))]], 4)
+        await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
         for c in args.concurrency:
-            picked = sessions[: max(args.min_sessions, c)]
+            picked = level_sessions(args, sessions, c)
             say(f"closed loop, {c} users, {len(picked)} sessions ({sum(map(len, picked))} requests)")
             results, duration = await closed_loop(client, picked, c)
             out[str(c)] = summarize(results, duration)
             _said(out[str(c)])
         if args.rate:
-            requests = [turn for s in sessions for turn in s][: args.rate_requests]
+            used = sum(max(args.min_sessions, c) for c in sorted(set(args.concurrency) | {args.cache_concurrency}))
+            requests = [turn for s in sessions[used:] for turn in s][: args.rate_requests]
             say(f"Poisson arrivals at {args.rate} requests/s, {len(requests)} requests")
             results, duration = await poisson(client, requests, args.rate)
             result["poisson"] = summarize(results, duration) | {"rate": args.rate}
             _said(result["poisson"])
 
 
+def level_sessions(args, sessions, c: int) -> list:
+    """The sessions of the closed loop at `c` users: a slice of its own (no level hits another's
+    prefixes), the same slice in the cache-on and cache-off runs."""
+    levels = sorted(set(args.concurrency) | {args.cache_concurrency})
+    start = sum(max(args.min_sessions, level) for level in levels if level < c)
+    picked = sessions[start: start + max(args.min_sessions, c)]
+    if len(picked) < max(args.min_sessions, c):
+        raise SystemExit(f"the trace slice has {len(sessions)} sessions; {start + max(args.min_sessions, c)} are "
+                         "needed: raise --sessions / --trace-limit")
+    return picked
+
+
 async def cache_off(args, url: str, sessions, result: dict) -> None:
     c = args.cache_concurrency
-    picked = sessions[: max(args.min_sessions, c)]
+    picked = level_sessions(args, sessions, c)
     async with Client(url) as client:
-        await closed_loop(client, [s[:1] for s in sessions[: min(4, len(sessions))]], 4)
+        await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
         say(f"cache off: closed loop, {c} users, {len(picked)} sessions")
         results, duration = await closed_loop(client, picked, c)
     result["cache_off"] = {str(c): summarize(results, duration)}
@@ -193,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", default="data/models", help="where the preset's weights are (created once)")
     p.add_argument("--url", default="", help="an already running gateway (then --phases cache is skipped)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
-    p.add_argument("--trace-limit", type=int, default=3000, help="trace records read to pick sessions from")
-    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--trace-limit", type=int, default=12031, help="trace records read to pick sessions from")
+    p.add_argument("--sessions", type=int, default=140)
     p.add_argument("--min-turns", type=int, default=3)
     p.add_argument("--max-turns", type=int, default=3, help="turns per session sent")
     p.add_argument("--min-sessions", type=int, default=4, help="sessions per closed-loop run at least")

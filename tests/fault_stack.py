@@ -117,6 +117,13 @@ class FaultStack(Stack):
         # failed over in seconds.
         if module == "services.engine" and "--heartbeat-s" not in args:
             args += ["--heartbeat-s", "0.5"]
+        # These faults are the disk tier's: with the memory tier on, a repeat served from an engine's
+        # pool would never touch the broken part.
+        if module == "services.engine" and "--no-memory-tier" not in args:
+            args.append("--no-memory-tier")
+        # Two sequences per engine at most, so that a third request deterministically waits in the queue.
+        if module == "services.engine" and "--max-batch" not in args:
+            args += ["--max-batch", "2"]
         if module == "services.gateway" and "--first-token-timeout-s" not in args:
             args += ["--first-token-timeout-s", str(SILENCE_S)]
         self.commands[name] = (module, args)
@@ -218,12 +225,18 @@ def chat(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120
     return reply.choices[0].message.content, reply.usage
 
 
-def streamed(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120.0):
+def pinned(stack: Stack, engine: int) -> dict:
+    """Headers that make the gateway run a request on engine `engine` (admin only)."""
+    return {"X-DeepInfer-Engine": str(engine), "X-DeepInfer-Admin-Token": stack.admin_token}
+
+
+def streamed(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120.0, engine: int | None = None):
     """(seconds to the first answer token, answer text, usage) of one greedy streamed completion."""
     begin = time.perf_counter()
     stream = client(stack, timeout_s).chat.completions.create(
         model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True})
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_headers=pinned(stack, engine) if engine is not None else None)
     ttft, parts, usage = None, [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

@@ -18,7 +18,7 @@ from kvstore.segment import decode_header
 from services.launcher import StackConfig
 from tests.conftest import free_port, free_ports
 from tests.fault_stack import (SILENCE_S, B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat,
-                               client, engines_metric, metric, metric_total, prompt,
+                               client, engines_metric, metric, metric_total, pinned, prompt,
                                read_saved_prefixes, segment_files, streamed, wait_for_saves)
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,6 +110,47 @@ def test_a_slow_link_to_the_kvstore_makes_the_engine_recompute_past_its_deadline
     print(f"miss TTFT {miss_ttfts}, slow-link hit TTFT {slow_ttfts}, deadline <= {budget_s:.2f} s")
     assert engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}') == deadline_fallbacks + 3
     assert min(slow_ttfts) < 2 * min(miss_ttfts) + 0.5
+
+
+def test_a_hit_whose_disk_reads_stall_never_stops_other_streams_decoding(stack):
+    """A stream decodes on engine 0; a disk hit pinned to the same engine stalls on a slow link until its
+    deadline, then is recomputed. The stream receives tokens all the while: no step waits on a disk read."""
+    content = prompt("stall-hit", 1000)
+    _, miss_text, _ = streamed(stack, content, engine=0)
+    wait_for_saves(stack)
+    arrivals: list[float] = []
+    first = threading.Event()
+
+    def long_stream():
+        stream = client(stack, 300).chat.completions.create(
+            model="deepseek-chat", messages=[{"role": "user", "content": prompt("stall-stream", 20)}],
+            max_tokens=3000, temperature=0, stream=True, extra_headers=pinned(stack, 0))
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.perf_counter())
+                first.set()
+            if stop.is_set():
+                stream.close()
+                return
+
+    stop = threading.Event()
+    streaming = threading.Thread(target=long_stream)
+    streaming.start()
+    try:
+        assert first.wait(120)
+        stack.link.slow(60.0)  # every kvstore response held a minute: the hit waits for its deadline
+        try:
+            sent = time.perf_counter()
+            ttft, hit_text, hit = streamed(stack, content, timeout_s=120, engine=0)
+        finally:
+            stack.link.fast()
+        during = [t for t in arrivals if sent <= t <= sent + ttft]
+    finally:
+        stop.set()
+        streaming.join(60)
+    assert hit_text == miss_text and hit.prompt_cache_hit_tokens == 0  # recomputed after the deadline
+    print(f"stream tokens while the stalled hit waited and prefilled ({ttft:.2f} s): {len(during)}")
+    assert len(during) >= 2
 
 
 def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):

@@ -28,8 +28,10 @@ class EngineState:
     last_error: str = ""
 
     def describe(self) -> dict:
-        return {"url": self.client.url, "routable": self.routable, "in_flight": self.in_flight,
-                "stats": self.stats._asdict() if self.stats else None,
+        stats = None
+        if self.stats:
+            stats = self.stats._asdict() | {"hot_blocks": len(self.stats.hot_blocks)}  # a count, not the hashes
+        return {"url": self.client.url, "routable": self.routable, "in_flight": self.in_flight, "stats": stats,
                 "last_error": self.last_error}
 
 
