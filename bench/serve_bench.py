@@ -171,7 +171,8 @@ async def interference(args, url: str, result: dict) -> None:
 def _said(s: dict) -> None:
     say(f"  {s['completed']}/{s['requests']} ok in {s['duration_s']:.1f} s: {s['request_throughput']:.3f} req/s, "
         f"{s['output_token_throughput']:.2f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
-        f"TPOT p50 {s['tpot_s']['p50'] * 1000:.0f} ms, hit tokens {s['hit_tokens']}")
+        f"TPOT p50 {s['tpot_s']['p50'] * 1000:.0f} ms, hit tokens {s['hit_tokens']}"
+        + (f"; first error: {s['first_error']}" if s["first_error"] else ""))
 
 
 def measure(args) -> dict:
