@@ -1,0 +1,149 @@
+"""decode_bench: one model step of the paged runner, in-process: decode batches and prefill segments,
+in the default mode and in batch-invariant mode (every decode batch padded to the engine's max batch,
+prefill cut into fixed segments), so the cost of invariance is measured, not guessed.
+
+    python -m bench.decode_bench [--preset mini] [--batches 1,4,16,64] [--context 512] [--repeats 5]
+
+Every row is the median over --repeats runs of the same shape, measured side by side in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from bench import report
+from model.config import preset
+from model.paged_runner import DecodeRow, LatentPool, PagedRunner
+from model.runner import _pow2
+from model.sampling import SamplingParams, SamplingRow, sample_batch
+from model.weights import init_model
+
+COMMAND = "python -m bench.decode_bench"
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # compiles
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def measure(args) -> dict:
+    cfg = preset(args.preset)
+    model = init_model(cfg)
+    B = 64
+    pages_per_seq = -(-(args.context + 1) // B)
+    batches = sorted(args.batches)
+    pool = LatentPool(cfg, 1 + max(batches) * pages_per_seq + -(-args.prefill // B), B)
+    default = PagedRunner(model, cfg, pool)
+    invariant = PagedRunner(model, cfg, pool, fixed_batch=_pow2(args.max_batch))
+    tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
+    rng = np.random.default_rng(0)
+    for table in tables:  # every sequence holds a context of --context tokens
+        default.prefill(rng.integers(0, cfg.vocab_size, args.context), 0, table, False)
+    greedy = SamplingRow(SamplingParams(), 0, 0)
+    out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
+           "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
+    for n in batches:
+        rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
+        step = {}
+        for name, runner in (("default", default), ("invariant", invariant)):
+            step[name] = _median_s(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
+        out["decode"][str(n)] = step | {"tokens_per_s_default": n / step["default"],
+                                        "tokens_per_s_invariant": n / step["invariant"]}
+        print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
+              f"invariant", flush=True)
+    prompt = rng.integers(0, cfg.vocab_size, args.prefill)
+    table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
+
+    def segments(size: int):
+        def run():
+            for start in range(0, args.prefill, size):
+                end = min(args.prefill, start + size)
+                logits = default.prefill(prompt[start:end], start, table, end == args.prefill)
+            np.asarray(logits)
+        return run
+
+    for name, size in (("solo", args.solo_tokens), ("invariant", args.step_tokens)):
+        out["prefill"][name] = {"segment_tokens": size, "seconds": _median_s(segments(size), args.repeats)}
+        print(f"prefill {args.prefill} tokens in {size}-token segments: {out['prefill'][name]['seconds']:.2f} s",
+              flush=True)
+    out["load_average_end"] = os.getloadavg()[0]
+    return out
+
+
+def write(result: dict) -> None:
+    rows = [[n, f"{d['default'] * 1000:.1f}", f"{d['tokens_per_s_default']:.1f}", f"{d['invariant'] * 1000:.1f}",
+             f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x"]
+            for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
+    p = result["prefill"]
+    one = result["decode"].get("1")
+    scaling = [f"- decode tokens/s at batch {n} / batch 1: {d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x"
+               for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0])) if one and n != "1"]
+    body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
+            f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
+            f"Model `{result['preset']}`, every sequence at {result['context']} tokens of context; median of the "
+            "repeats, both modes side by side in one process. Invariant mode pads each decode batch to "
+            f"{result['max_batch']} rows.", "",
+            report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
+                                   "invariant tok/s", "invariant / default"], rows), "",
+            f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
+            f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
+            f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
+            f"mode's fixed cuts): {p['invariant']['seconds'] / p['solo']['seconds']:.2f}x.", "", *scaling]
+    body.append(f"\n![decode_bench](bench/results/{plot(result)})")
+    report.update_section("Decode batching and batch invariance (decode_bench)", "\n".join(body))
+
+
+def plot(result: dict) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ns = sorted(int(n) for n in result["decode"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, style in (("default", "o-"), ("invariant", "s--")):
+        ax.plot(ns, [result["decode"][str(n)][f"tokens_per_s_{mode}"] for n in ns], style, label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences in the decode batch")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.set_title(f"decode_bench, {result['preset']}, context {result['context']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    report.RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(report.RESULTS / "decode_bench.png", dpi=110)
+    plt.close(fig)
+    return "decode_bench.png"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="decode_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--solo-tokens", type=int, default=2048)
+    p.add_argument("--step-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-report", action="store_true")
+    args = p.parse_args(argv)
+    result = measure(args)
+    result["prefill_tokens"] = args.prefill
+    result["command"] = f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    report.write_json("decode_bench", result)
+    if not args.no_report:
+        write(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

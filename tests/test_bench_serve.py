@@ -1,0 +1,40 @@
+"""The serving benchmarks run end to end on the tiny preset (their numbers are for BENCHMARKS.md, not here)."""
+import json
+import math
+
+from bench import decode_bench, report, serve_bench
+from bench.serve_client import Result, percentiles, summarize
+
+
+def test_serving_metrics_are_vllms_definitions():
+    ok = Result(10, 4, 0, 0.0, 0.5, 2.0, (0.5, 1.0, 1.5, 2.0), "")
+    failed = Result(10, 0, 0, 0.0, math.nan, 1.0, (), "HTTP 503")
+    assert ok.itl_s == [0.5, 0.5, 0.5] and ok.tpot_s == 0.5
+    s = summarize([ok, ok, failed], duration_s=4.0)
+    assert s["completed"] == 2 and s["errors"] == 1 and s["first_error"] == "HTTP 503"
+    assert s["request_throughput"] == 0.5 and s["output_token_throughput"] == 2.0
+    assert percentiles([1, 2, 3, 4], qs=(50, 99)) == {"mean": 2.5, "p50": 2, "p99": 4}
+
+
+def test_serve_bench_runs_sessions_through_a_real_stack(tmp_path):
+    assert serve_bench.main(["--preset", "tiny", "--models-dir", str(tmp_path / "models"), "--dir", str(tmp_path),
+                             "--sessions", "12", "--concurrency", "1,2", "--cache-concurrency", "2",
+                             "--min-sessions", "2", "--max-turns", "2", "--max-output", "4", "--rate", "4",
+                             "--rate-requests", "3", "--phases", "sweep,cache", "--name", "serve_smoke",
+                             "--no-report"]) == 0
+    result = json.loads((report.OUT / "serve_smoke.json").read_text())
+    for run in (result["sweep"]["1"], result["sweep"]["2"], result["poisson"], result["cache_off"]["2"]):
+        assert run["completed"] == run["requests"] > 0, run["first_error"]
+        assert run["output_token_throughput"] > 0 and run["ttft_s"]["p50"] > 0
+    # Second turns extend first turns: with the cache on they hit, with it off nothing does.
+    assert result["sweep"]["2"]["hit_tokens"] > 0 and result["cache_off"]["2"]["hit_tokens"] == 0
+
+
+def test_decode_bench_measures_both_modes():
+    assert decode_bench.main(["--preset", "tiny", "--batches", "1,2", "--context", "64", "--max-batch", "4",
+                              "--prefill", "128", "--solo-tokens", "128", "--step-tokens", "64", "--repeats", "1",
+                              "--no-report"]) == 0
+    result = json.loads((report.OUT / "decode_bench.json").read_text())
+    assert set(result["decode"]) == {"1", "2"} and all(d["default"] > 0 and d["invariant"] > 0
+                                                       for d in result["decode"].values())
+    assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
