@@ -175,6 +175,20 @@ def _said(s: dict) -> None:
         + (f"; first error: {s['first_error']}" if s["first_error"] else ""))
 
 
+async def peer_sweep(args, sessions, result: dict) -> None:
+    """The sweep's closed loops against another OpenAI-compatible server (e.g. llama.cpp's llama-server on
+    the same weights), same sessions, same order."""
+    out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
+    async with Client(args.peer_url, model=args.peer_model) as client:
+        await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
+        for c in args.concurrency:
+            picked = level_sessions(args, sessions, c)
+            say(f"{args.peer_name}: closed loop, {c} users, {len(picked)} sessions")
+            results, duration = await closed_loop(client, picked, c)
+            out["sweep"][str(c)] = summarize(results, duration)
+            _said(out["sweep"][str(c)])
+
+
 def measure(args) -> dict:
     sessions = workload(args)
     result = {"machine": report.machine(), "preset": args.preset, "hash_tokens": args.hash_tokens,
@@ -194,6 +208,8 @@ def measure(args) -> dict:
     if "cache" in args.phases:
         with StackRun(args, cache=False, name="off") as url:
             asyncio.run(cache_off(args, url, sessions, result))
+    if args.peer_url:
+        asyncio.run(peer_sweep(args, sessions, result))
     result["wall_s"] = time.perf_counter() - begin
     result["load_average_end"] = os.getloadavg()[0]
     return result
@@ -223,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-tokens", type=int, default=16384)
     p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference"])
     p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--peer-url", default="", help="also run the sweep against this OpenAI-compatible server")
+    p.add_argument("--peer-name", default="llama-server")
+    p.add_argument("--peer-model", default="mini", help="the model name the peer serves")
     p.add_argument("--dir", default=None, help="where stacks' data dirs go (default: the system temp dir)")
     p.add_argument("--name", default="serve_bench")
     p.add_argument("--no-report", action="store_true", help="write JSON only (no plots, no BENCHMARKS.md)")

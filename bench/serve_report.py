@@ -36,6 +36,11 @@ def goals(result: dict) -> list[str]:
             ratio = sweep[c]["request_throughput"] / result["cache_off"][c]["request_throughput"]
             lines.append(f"- multi-turn request throughput at {c} users, cache on / off: **{ratio:.2f}x** "
                          "(goal >= 3x)")
+    peer = result.get("peer", {}).get("sweep", {})
+    if "16" in peer and "16" in sweep:
+        lines.append(f"- output token throughput at 16 users, DeepInfer / {result['peer']['name']}: "
+                     f"**{sweep['16']['output_token_throughput'] / peer['16']['output_token_throughput']:.2f}x** "
+                     "(goal > 1x)")
     inter = result.get("interference")
     if inter:
         lines.append(f"- while a {inter['long_tokens']}-token miss prefills, the {inter['streams']} streams' p99 "
@@ -91,6 +96,10 @@ def write(result: dict, name: str) -> None:
     if "poisson" in result:
         rows.append(_row(f"Poisson {result['poisson']['rate']}/s", result["poisson"]))
     rows += [_row(f"{c} users, cache off", s) for c, s in result.get("cache_off", {}).items()]
+    peer = result.get("peer")
+    if peer:
+        rows += [_row(f"{peer['name']}: {c} users", s)
+                 for c, s in sorted(peer["sweep"].items(), key=lambda kv: int(kv[0]))]
     images = plots(result, name)
     inter = result.get("interference")
     body = [f"Command: `{result['command']}` ({result['wall_s'] / 60:.0f} min; load average "

@@ -28,7 +28,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.mla import prefer_absorbed
-from model.runner import MIN_CHUNK, ModelRunner, _embed, _expand, _finish, _head, _pow2, bucket
+from model.runner import MIN_CHUNK, MIN_VIEW, ModelRunner, _embed, _expand, _finish, _head, _pow2
 from model.transformer import DeepseekModel
 
 SCRATCH_PAGE = 0
@@ -160,6 +160,16 @@ def _write_latents(pools, slots_B, latents_LBA):
     return [_write_slots(pool_PBA, slots_B, latents_BA) for pool_PBA, latents_BA in zip(pools, latents_LBA)]
 
 
+def view_bucket(n: int, page: int) -> int:
+    """Rows of the view attention reads for positions [0, n): a power of two up to 4,096 rows, quarters of
+    one beyond, in whole pages. Coarser than the dense runner's eighths: every distinct shape is a
+    compile that stalls the whole engine (seconds each on this CPU), and a serving engine meets many
+    lengths; the price is at most 2x (1.25x past 4K) masked rows in attention."""
+    n = max(n, MIN_VIEW)
+    size = _pow2(n) if n <= 4096 else -(-n // (_pow2(n) // 4)) * (_pow2(n) // 4)
+    return -(-size // page) * page
+
+
 class DecodeRow(NamedTuple):
     token: int
     position: int  # where the token goes (its latent is written at this position)
@@ -201,8 +211,7 @@ class PagedRunner:
         """Feeds one token per sequence; returns their logits (len(rows), V) on the device."""
         n = len(rows)
         B = max(self.fixed_batch, _pow2(n))
-        view = bucket(max(r.position + 1 for r in rows))
-        view = -(-view // self.page) * self.page
+        view = view_bucket(max(r.position + 1 for r in rows), self.page)
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
         slots = np.full(B, SCRATCH_PAGE * self.page, np.int32)
@@ -232,9 +241,9 @@ class PagedRunner:
         positions = [start + i * T + np.arange(T, dtype=np.int32) for i in range(count)]
         slots = [jnp.asarray(self._slots(p, pages, end)) for p in positions]
         positions = [jnp.asarray(p) for p in positions]
-        view = -(-bucket(end) // self.page) * self.page
+        view = view_bucket(end, self.page)
         table = jnp.asarray(self._table(pages, view))
-        views = [min(view, bucket(start + (i + 1) * T)) for i in range(count)]
+        views = [min(view, view_bucket(start + (i + 1) * T, self.page)) for i in range(count)]
         absorbed = (prefer_absorbed(self.cfg, n, view) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         for layer in range(self.cfg.num_layers):
