@@ -133,11 +133,15 @@ class PrefixIndex:
         return Hit(root, tuple(hashes[:blocks]), tuple(runs))
 
     async def publish(self, root: bytes, hashes: Sequence[bytes], locations: Sequence[BlockLocation],
-                      tenant: str, ttl_s: int) -> None:
+                      tenant: str, ttl_s: int, *, expire_s: int | None = None, missing_only: bool = False) -> None:
         """Make blocks findable for `ttl_s` seconds after the last hit.
 
-        All `locations` are in one segment whose bytes are already durable.
+        All `locations` are in one segment whose bytes are already durable. `expire_s`: seconds
+        the entries live until a hit re-arms them (default `ttl_s`; a republished segment gets
+        what its header's expiry leaves). `missing_only`: block entries already present (a
+        newer save of the same block) are kept.
         """
+        expire_s = ttl_s if expire_s is None else expire_s
         if len(hashes) != len(locations) or not hashes:
             raise ValueError("publish needs one location per hash, at least one")
         if any(len(h) != HASH_BYTES for h in hashes):
@@ -149,10 +153,10 @@ class PrefixIndex:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(seg_key, mapping={"hashes": b"".join(hashes), "volume": first.volume,
                                     "tenant": tenant, "ttl": ttl_s})
-        pipe.expire(seg_key, ttl_s)
+        pipe.expire(seg_key, expire_s)
         chain = self._chain(root).encode()
         for h, loc in zip(hashes, locations):
-            pipe.set(chain + b"b:" + h, loc.encode(), ex=ttl_s)
+            pipe.set(chain + b"b:" + h, loc.encode(), ex=expire_s, nx=missing_only)
         await pipe.execute()
 
     async def drop(self, root: bytes, block_hash: bytes, segment: str | None) -> None:

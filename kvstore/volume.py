@@ -17,6 +17,7 @@ from .location import SEGMENT_ID, VOLUME_ID
 
 ID_KEY = "VOLUME_ID"
 SEGMENT_DIR = "segments/"
+QUARANTINE_DIR = "quarantine/"  # segment objects reconciliation found torn or foreign, kept for a human
 READ_MODES = ("mmap", "pread", "tensorstore")
 # A mapping keeps a deleted (unlinked) segment's disk space allocated, so mappings are dropped
 # once idle, and the cache is bounded.
@@ -178,6 +179,40 @@ class Volume:
         with self._maps_lock:
             self._maps.clear()
             self._mapped_bytes = 0
+
+    async def has_size(self, segment: str, size: int) -> bool:
+        """Whether the segment object exists and is exactly `size` bytes (a torn write is shorter)."""
+        if self.spec.get("driver") == "file":
+            try:
+                return os.stat(self._path(segment)).st_size == size
+            except FileNotFoundError:
+                return False
+        try:  # no stat in tensorstore's kvstore API: the last byte must be there and nothing after it
+            result = await self.store.read(segment_key(segment), byte_range=slice(size - 1, None))
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            return False
+        return result.state == "value" and len(result.value) == 1
+
+    async def exists(self, segment: str) -> bool:
+        result = await self.store.read(segment_key(segment), byte_range=slice(0, 0))
+        return result.state == "value"
+
+    async def quarantine(self, segment: str) -> None:
+        """Move a segment object out of `segments/` into `quarantine/` (kept, never read again)."""
+        self.unmap(segment)
+        if self.spec.get("driver") == "file":
+            os.makedirs(self.spec["path"] + QUARANTINE_DIR, exist_ok=True)
+            try:
+                os.rename(self._path(segment), self.spec["path"] + QUARANTINE_DIR + segment)
+            except FileNotFoundError:
+                pass
+            return
+        found = await self.store.read(segment_key(segment))
+        if found.state == "value":
+            await self.store.write(QUARANTINE_DIR + segment, found.value)
+            await self.store.write(segment_key(segment), None)
 
     async def segments(self) -> list[str]:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))
