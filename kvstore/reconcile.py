@@ -77,6 +77,7 @@ class Reconciler:
         self.passes = 0
         self.last: ReconcileReport | None = None
         self._running = asyncio.Lock()
+        self._loop: asyncio.Task | None = None
 
     @property
     def running(self) -> bool:
@@ -192,3 +193,25 @@ class Reconciler:
             await store.capacity.retire(vid, record)
             return "vanished"
         return "republished"
+
+    def start(self, interval_s: float, retry_s: float = 10.0) -> None:
+        """Reconcile now, in the background; again every `retry_s` while a pass fails or finds a
+        volume busy, then every `interval_s` (0: never again) until stop()."""
+        async def loop():
+            while True:
+                try:
+                    complete = not (await self.run()).busy
+                except Exception:  # Redis or a volume down: the next try will tell
+                    log.exception("reconciliation failed")
+                    complete = False
+                if complete and interval_s <= 0:
+                    return
+                await asyncio.sleep(interval_s if complete else retry_s)
+        if self._loop is None:
+            self._loop = asyncio.create_task(loop())
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+            self._loop = None
