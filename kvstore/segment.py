@@ -137,6 +137,15 @@ def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashe
                    publication: SegmentPublication | None = None) -> tuple[bytes, int]:
     """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, latent_dim)."""
     checksums = np.stack([block_checksums(np.ascontiguousarray(x), geometry.block_tokens) for x in layers])
+    head = encode_header(fingerprint, geometry, tenant, hashes, checksums, publication=publication)
+    parts = [head] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]
+    return b"".join(parts), len(head)
+
+
+def encode_header(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
+                  checksums: np.ndarray, *, publication: SegmentPublication | None = None) -> bytes:
+    """The bytes of a segment object before its latents: preamble, header, padding to data_offset.
+    `checksums` is (num_layers, len(hashes)) uint64."""
     fields = {
         "fingerprint": fingerprint, "geometry": geometry.as_dict(), "tenant": tenant,
         "hashes": b"".join(hashes), "checksum": CHECKSUM, "checksums": checksums.astype("<u8").tobytes(),
@@ -144,10 +153,8 @@ def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashe
     if publication is not None:
         fields["publication"] = publication.as_dict()
     header = msgpack.packb(fields)
-    offset = data_offset_for(len(header))
     preamble = MAGIC + len(header).to_bytes(4, "little") + header
-    parts = [preamble, bytes(offset - len(preamble))] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]
-    return b"".join(parts), offset
+    return preamble + bytes(data_offset_for(len(header)) - len(preamble))
 
 
 class SegmentFormatError(ValueError):
