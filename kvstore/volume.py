@@ -27,7 +27,11 @@ MAX_MAPPED_BYTES = 64 << 30
 
 
 def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
-    """A tensorstore kvstore spec: a plain path means the `file` driver on that directory."""
+    """A tensorstore kvstore spec: a plain path means the `file` driver on that directory; a URL
+    (`s3://bucket/prefix`, `gs://...`) its driver. An s3 volume takes the standard AWS variables:
+    AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (an S3-compatible server), AWS_REGION or
+    AWS_DEFAULT_REGION; credentials come from tensorstore's AWS chain (AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and ~/.aws/credentials, instance roles)."""
     if isinstance(volume, dict):
         spec = dict(volume)
     elif "://" in volume:
@@ -36,6 +40,13 @@ def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
         spec = {"driver": "file", "path": os.path.abspath(volume)}
     if spec.get("path") and not spec["path"].endswith("/"):
         spec["path"] += "/"
+    if spec.get("driver") == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint and "endpoint" not in spec:
+            spec["endpoint"] = endpoint
+        if region and "aws_region" not in spec:
+            spec["aws_region"] = region
     return spec
 
 
@@ -93,6 +104,8 @@ class Volume:
 
     @property
     def name(self) -> str:
+        if "bucket" in self.spec:
+            return f"{self.spec['driver']}://{self.spec['bucket']}/{self.spec.get('path', '')}"
         return self.spec.get("path") or str(self.spec)
 
     def _path(self, segment: str) -> str:
@@ -218,15 +231,6 @@ class Volume:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))
         names = [k.decode()[len(SEGMENT_DIR):] for k in keys]
         return [n for n in names if SEGMENT_ID.match(n)]
-
-    async def age_s(self, segment: str) -> float | None:
-        """Seconds since the segment object was written; None where the driver cannot tell."""
-        if self.spec.get("driver") != "file":
-            return None
-        try:
-            return time.time() - os.stat(self._path(segment)).st_mtime
-        except FileNotFoundError:
-            return None
 
     async def reachable(self) -> bool:
         try:

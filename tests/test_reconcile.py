@@ -197,3 +197,29 @@ async def test_a_republished_orphan_never_replaces_a_newer_entry(store, index):
     assert report.outcomes["republished"] == 1 and report.outcomes["known"] == 1
     hit = await index.lookup(hashes)
     assert [run.segment for run in hit.runs] == [newer]  # the newer save's entries stay
+
+
+async def test_s3_volumes_are_reconciled_the_same(s3_server, redis_url):
+    """On a real S3-compatible server: a lost index rebuilt, a torn object quarantined (moved to
+    quarantine/ in the bucket), its entries gone."""
+    from tests.volume_shelf import S3Shelf
+    shelf = S3Shelf(s3_server)
+    client = open_redis(redis_url)
+    index = PrefixIndex(client)
+    store = await open_store(shelf, index)
+    try:
+        hashes = block_hashes(prompt(12, 13), FP, "t", 16)
+        result = await store.save(hashes, latents(12, 13))
+        await flush(index)
+        torn = result.segments[2]
+        shelf.write(torn, shelf.read(torn)[:-100])
+        report = await Reconciler(store, min_age_s=0).run()
+        assert report.outcomes["republished"] == 2 and [q["segment"] for q in report.quarantined] == [torn]
+        layers, valid = await read_all(store, await index.lookup(hashes))
+        assert valid == 8 * 16 and np.array_equal(layers[1].view(np.uint16), latents(12, 13)[1][:128].view(np.uint16))
+        assert torn not in [s for v in shelf.volumes(2) for s in shelf.segments(v)]
+        quarantined = [v for v in shelf.volumes(2) if shelf._store(v).read(QUARANTINE_DIR + torn).result().state == "value"]
+        assert len(quarantined) == 1
+    finally:
+        await store.close()
+        await client.aclose()

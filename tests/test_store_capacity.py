@@ -6,9 +6,17 @@ import os
 import time
 
 import numpy as np
+import pytest
 
 from kvstore import PrefixIndex, block_hashes, open_redis
-from tests.test_store_blocks import FP, GEOMETRY, index, latents, open_store, prompt, read_all, store  # noqa: F401
+from tests.test_store_blocks import FP, GEOMETRY, index, latents, open_store, prompt, read_all  # noqa: F401
+
+
+@pytest.fixture
+async def store(tmp_path, index):
+    s = await open_store(tmp_path, index)
+    yield s
+    await s.close()
 
 
 async def test_eviction_keeps_budget_and_recently_hit(tmp_path, index):
