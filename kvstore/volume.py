@@ -94,9 +94,9 @@ class Volume:
             os.makedirs(spec["path"], exist_ok=True)
         store = await ts.KvStore.open(spec, context=ts.Context({"file_io_sync": True}))
         found = await store.read(ID_KEY)
-        if found.state != "value":
-            await store.write(ID_KEY, secrets.token_hex(8).encode())
-            found = await store.read(ID_KEY)  # a concurrent opener may have won; use what is stored
+        if found.state != "value":  # only if still absent: of openers racing (two hosts), one id wins
+            await store.write(ID_KEY, secrets.token_hex(8).encode(), if_equal=found.stamp.generation)
+            found = await store.read(ID_KEY)
         volume_id = found.value.decode().strip()
         if not VOLUME_ID.match(volume_id):
             raise ValueError(f"volume {spec} has a malformed {ID_KEY}: {volume_id!r}")

@@ -347,3 +347,17 @@ async def test_a_mapped_segment_truncated_in_place_is_remapped(tmp_path, index):
         assert valid == 48 and layers[3].shape[0] == 48
     finally:
         await store.close()
+
+
+async def test_volumes_opened_at_once_agree_on_their_id(shelf):
+    """Hosts (or an engine and the kvstore) opening a new volume together: one id wins for all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.volume import Volume
+    pool = ThreadPoolExecutor(1)
+    try:
+        url = shelf.volumes(1)[0]
+        opened = await asyncio.gather(*(Volume.open(url, pool) for _ in range(8)))
+        assert len({v.id for v in opened}) == 1
+    finally:
+        pool.shutdown()
