@@ -89,8 +89,8 @@ class FileShelf:
 class S3Shelf:
     kind = "s3"
 
-    def __init__(self, server: MotoServer) -> None:
-        self.prefix = f"s3://{BUCKET}/{secrets.token_hex(6)}"  # a fresh key space per test
+    def __init__(self, server: MotoServer, prefix: str = "") -> None:
+        self.prefix = prefix or f"s3://{BUCKET}/{secrets.token_hex(6)}"  # a fresh key space per test
         self._stores: dict[str, ts.KvStore] = {}
 
     def volumes(self, count: int) -> list[str]:
