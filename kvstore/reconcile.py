@@ -140,6 +140,8 @@ class Reconciler:
             return "vanished"  # deleted since the listing (evicted, expired)
         except SegmentFormatError as e:
             problem = f"unreadable header: {e}"
+        if not problem and record is None and header.publication is None:
+            problem = "cannot be republished: no publication record (written before headers carried one)"
         if problem:
             if record is not None:
                 await store.capacity.retire(vid, record)
@@ -159,8 +161,6 @@ class Reconciler:
             return f"foreign model fingerprint {header.fingerprint!r}"
         if header.geometry != store.geometry:
             return f"foreign geometry {header.geometry}"
-        if header.publication is None:
-            return "no publication record in the header (written before headers carried one)"
         size = header.data_offset + header.n_blocks * store.geometry.num_layers * store.geometry.block_bytes
         if not await store.volumes[vid].has_size(segment, size):
             return f"torn: not {size} bytes"

@@ -36,7 +36,8 @@ class StackConfig:
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype"})
     data_dir: str = field(default="data", metadata={"help": "models, volumes, logs and Valkey data"})
     volumes: list[str] = field(default_factory=list, metadata={
-        "flag": "volume", "help": "cache volume (repeat per SSD); default: 4 under DATA_DIR/volumes"})
+        "flag": "volume", "help": "cache volume: a directory (repeat per SSD) or s3://bucket/prefix; "
+                                  "default: 4 under DATA_DIR/volumes"})
     budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume, GiB (0 = unlimited)"})
     api_keys: str = field(default="", metadata={"help": "KEY:TENANT,...; empty = open local mode"})
     admin_token: str = field(default="", metadata={"help": "admin bearer token (default: random, printed)"})

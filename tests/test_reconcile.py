@@ -111,13 +111,16 @@ async def test_torn_and_foreign_files_are_quarantined_and_reported(tmp_path, ind
         garbage = root / segment_key(secrets.token_hex(16))
         garbage.write_bytes(b"not a segment at all")
         _, _, foreign = await write_orphan(store, 5, time.time() - 3600, fingerprint="another-model")
+        legacy = secrets.token_hex(16)  # written before headers carried a publication record
+        payload, _ = encode_segment(FP, GEOMETRY, "t", block_hashes(prompt(1, 14), FP, "t", 16), latents(1, 14))
+        await next(iter(store.volumes.values())).write(legacy, payload)
 
         report = await Reconciler(store, min_age_s=0).run()
         reasons = {q["segment"]: q["reason"] for q in report.quarantined}
-        assert set(reasons) == {result.segments[1], garbage.name, foreign}
+        assert set(reasons) == {result.segments[1], garbage.name, foreign, legacy}
         assert "torn" in reasons[result.segments[1]] and "magic" in reasons[garbage.name]
-        assert "fingerprint" in reasons[foreign]
-        assert report.outcomes["quarantined"] == 3 and report.outcomes["known"] == 2
+        assert "fingerprint" in reasons[foreign] and "no publication record" in reasons[legacy]
+        assert report.outcomes["quarantined"] == 4 and report.outcomes["known"] == 2
         # moved aside, not deleted; the torn segment's entries are gone, so the prefix ends before it
         assert sorted(os.listdir(root / QUARANTINE_DIR)) == sorted(reasons)
         assert sorted(os.listdir(root / "segments")) == sorted([result.segments[0], result.segments[2]])
