@@ -57,9 +57,9 @@ from .geometry import CacheGeometry
 from .hashing import block_hashes, extend_block_hashes
 from .index import PrefixIndex, open_redis
 from .location import BlockLocation, Hit, SegmentRun, miss
-from .reconcile import ReconcileReport, Reconciler
 from .prefetch import LayerRead, LayerSource, Prefetch
 from .reader import SegmentReader
+from .reconcile import ReconcileReport, Reconciler
 from .retention import RetentionPolicy
 from .stats import StoreStats
 from .store import BlockStore, SaveResult, SegmentWriteError
