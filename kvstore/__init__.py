@@ -36,10 +36,16 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
         store.capacity.start(interval_s)              # background sweeps (the kvstore service runs them)
         store.stats: StoreStats; await store.close()
 
+    reconciler = Reconciler(store, min_age_s=60.0)    # the volumes are the source of truth
+        await reconciler.run() -> ReconcileReport     # one pass, per volume under a VolumeLease in Redis
+        reconciler.start(interval_s)                  # at once, then every interval (the kvstore service)
+
 Cache faults (missing, torn, corrupt or foreign data) never raise from reads: they shorten
 the prefix, drop the bad index entry and count `stats.verification_failures`.
 Retention is per segment: a hit keeps the whole segment alive; eviction retires least recently
 prefetched segments first (index entries first, bytes after `reader_grace_s`).
+Every segment header carries what publishing it needs (chain root, retention class, TTL, expiry),
+so a lost index is rebuilt from the volumes (reconcile.py); only recency is lost.
 
 Storage layout: a save becomes segments of <= max_segment_blocks blocks, each one object on the
 least used volume, stored layer-major (segment.py), so one layer of a prefix is one contiguous
@@ -53,12 +59,13 @@ from .index import PrefixIndex, open_redis
 from .location import BlockLocation, Hit, SegmentRun, miss
 from .prefetch import LayerRead, LayerSource, Prefetch
 from .reader import SegmentReader
+from .reconcile import ReconcileReport, Reconciler
 from .retention import RetentionPolicy
 from .stats import StoreStats
 from .store import BlockStore, SaveResult, SegmentWriteError
 
 __all__ = [
     "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "LayerSource", "Prefetch", "PrefixIndex",
-    "RetentionPolicy", "SaveResult", "SegmentReader", "SegmentRun", "SegmentWriteError", "StoreStats", "SweepResult",
-    "block_hashes", "extend_block_hashes", "miss", "open_redis",
+    "ReconcileReport", "Reconciler", "RetentionPolicy", "SaveResult", "SegmentReader", "SegmentRun",
+    "SegmentWriteError", "StoreStats", "SweepResult", "block_hashes", "extend_block_hashes", "miss", "open_redis",
 ]

@@ -16,7 +16,6 @@ log = logging.getLogger(__name__)
 class SweepResult(NamedTuple):
     expired: int    # segments whose index entries had expired, now retired
     deleted: int    # segment objects removed from volumes
-    orphans: int    # segment objects no ledger knew (a writer died before publishing), removed
 
 
 class Capacity:
@@ -27,12 +26,10 @@ class Capacity:
     holds it, so a reader that found it before never reads a deleted object mid-way.
     """
 
-    def __init__(self, store: "BlockStore", budget_bytes: int | None, reader_grace_s: float,
-                 orphan_age_s: float = 3600.0) -> None:
+    def __init__(self, store: "BlockStore", budget_bytes: int | None, reader_grace_s: float) -> None:
         self.store = store
         self.budget_bytes = budget_bytes
         self.reader_grace_s = reader_grace_s
-        self.orphan_age_s = orphan_age_s
         self._sweeper: asyncio.Task | None = None
 
     async def make_room(self, volume: str, incoming: int) -> int:
@@ -67,8 +64,10 @@ class Capacity:
         return count
 
     async def sweep(self) -> SweepResult:
-        """Retire expired segments, delete the bytes of retired ones past their grace, remove orphans."""
-        store, expired, deleted, orphans = self.store, 0, 0, 0
+        """Retire expired segments and delete the bytes of retired ones past their grace. Segment
+        objects no ledger knows (their writer died before publishing, or the index was lost) are
+        the Reconciler's: it republishes them from their headers, or deletes them once expired."""
+        store, expired, deleted = self.store, 0, 0
         for vid, volume in store.volumes.items():
             records = await store.ledger.records(vid)
             alive = await store.index.segment_alive([(r.root, r.segment) for r in records])
@@ -82,23 +81,9 @@ class Capacity:
                 await store.ledger.buried(vid, segment)
                 store.forget(segment)
                 deleted += 1
-            orphans += await self._remove_orphans(vid, {r.segment for r in records})
         store.stats.expired += expired
-        store.stats.segments_deleted += deleted + orphans
-        return SweepResult(expired, deleted, orphans)
-
-    async def _remove_orphans(self, vid: str, known: set[str]) -> int:
-        volume = self.store.volumes[vid]
-        graves = set(await self.store.ledger.graves(vid))
-        removed = 0
-        for segment in await volume.segments():
-            if segment in known or segment in graves or self.store.readers.get(segment):
-                continue
-            age = await volume.age_s(segment)
-            if age is not None and age > self.orphan_age_s:
-                await volume.delete(segment)
-                removed += 1
-        return removed
+        store.stats.segments_deleted += deleted
+        return SweepResult(expired, deleted)
 
     def start(self, interval_s: float) -> None:
         """Sweep every `interval_s` seconds in the background until stop()."""

@@ -80,6 +80,27 @@ return n
 """
 
 
+# Publish one segment: its record, then one entry per block. KEYS[1] the chain prefix; ARGV: segment
+# id, volume, tenant, ttl (re-arm period), expire (seconds to live now), '1' to keep entries that
+# exist, the concatenated block hashes, then each block's encoded location. One call instead of a
+# command per block.
+_PUBLISH_LUA = """
+local prefix, seg, blob, expire = KEYS[1], ARGV[1], ARGV[7], tonumber(ARGV[5])
+local skey = prefix .. 's:' .. seg
+redis.call('HSET', skey, 'hashes', blob, 'volume', ARGV[2], 'tenant', ARGV[3], 'ttl', ARGV[4])
+redis.call('EXPIRE', skey, expire)
+for i = 0, #blob / 16 - 1 do
+  local key = prefix .. 'b:' .. string.sub(blob, i * 16 + 1, i * 16 + 16)
+  if ARGV[6] == '1' then
+    redis.call('SET', key, ARGV[8 + i], 'EX', expire, 'NX')
+  else
+    redis.call('SET', key, ARGV[8 + i], 'EX', expire)
+  end
+end
+return 1
+"""
+
+
 def open_redis(url: str, cluster: bool = False, timeout_s: float = 5.0) -> redis.Redis | redis.RedisCluster:
     """A redis.asyncio client; `cluster=True` for Redis Cluster (any node's URL). Commands and
     connects give up after `timeout_s` (a hanging index must not hang a request)."""
@@ -105,6 +126,7 @@ class PrefixIndex:
         self.prefix = prefix
         self._lookup = client.register_script(_LOOKUP_LUA)
         self._unpublish = client.register_script(_UNPUBLISH_LUA)
+        self._publish = client.register_script(_PUBLISH_LUA)
 
     def _chain(self, root: bytes) -> str:
         return f"{self.prefix}:{{{root.hex()}}}:"
@@ -133,11 +155,15 @@ class PrefixIndex:
         return Hit(root, tuple(hashes[:blocks]), tuple(runs))
 
     async def publish(self, root: bytes, hashes: Sequence[bytes], locations: Sequence[BlockLocation],
-                      tenant: str, ttl_s: int) -> None:
+                      tenant: str, ttl_s: int, *, expire_s: int | None = None, missing_only: bool = False) -> None:
         """Make blocks findable for `ttl_s` seconds after the last hit.
 
-        All `locations` are in one segment whose bytes are already durable.
+        All `locations` are in one segment whose bytes are already durable. `expire_s`: seconds
+        the entries live until a hit re-arms them (default `ttl_s`; a republished segment gets
+        what its header's expiry leaves). `missing_only`: block entries already present (a
+        newer save of the same block) are kept.
         """
+        expire_s = ttl_s if expire_s is None else expire_s
         if len(hashes) != len(locations) or not hashes:
             raise ValueError("publish needs one location per hash, at least one")
         if any(len(h) != HASH_BYTES for h in hashes):
@@ -145,15 +171,9 @@ class PrefixIndex:
         if len({loc.segment for loc in locations}) != 1:
             raise ValueError("publish takes the blocks of one segment")
         first = locations[0]
-        seg_key = self.segment_key(root, first.segment)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(seg_key, mapping={"hashes": b"".join(hashes), "volume": first.volume,
-                                    "tenant": tenant, "ttl": ttl_s})
-        pipe.expire(seg_key, ttl_s)
-        chain = self._chain(root).encode()
-        for h, loc in zip(hashes, locations):
-            pipe.set(chain + b"b:" + h, loc.encode(), ex=ttl_s)
-        await pipe.execute()
+        await self._publish(keys=[self._chain(root)], args=[
+            first.segment, first.volume, tenant, ttl_s, expire_s, "1" if missing_only else "0", b"".join(hashes),
+            *(loc.encode() for loc in locations)])
 
     async def drop(self, root: bytes, block_hash: bytes, segment: str | None) -> None:
         """Remove one (bad) entry; with `segment`, only if it still points into that segment."""

@@ -64,10 +64,12 @@ class VolumeLedger:
         tag = f"{self.prefix}:{{vol:{volume}}}:"
         return tag + "segs", tag + "used", tag + "lru", tag + "grave"
 
-    async def add(self, volume: str, record: SegmentRecord) -> None:
+    async def add(self, volume: str, record: SegmentRecord, last_hit_ms: float | None = None) -> None:
+        """Count a live segment (once); `last_hit_ms` (unix ms) is its recency stamp, default now."""
         segs, used, lru, _ = self._keys(volume)
         value = f"{record.root.hex()}|{record.bytes}|{record.tenant}"
-        await self._add(keys=[segs, used, lru], args=[record.segment, value, record.bytes, _now_ms()])
+        stamp = _now_ms() if last_hit_ms is None else last_hit_ms
+        await self._add(keys=[segs, used, lru], args=[record.segment, value, record.bytes, stamp])
 
     async def touch(self, hits: Sequence[tuple[str, str]]) -> None:
         """Record a hit on each (volume, segment) now; unknown segments are ignored.
@@ -117,6 +119,14 @@ class VolumeLedger:
         keys = list(self._keys(volume))
         delete_after = _now_ms() + int(grace_s * 1000)
         return bool(await self._retire(keys=keys, args=[record.segment, delete_after, record.bytes]))
+
+    async def condemn(self, volume: str, segment: str, grace_s: float = 0.0) -> None:
+        """Record that a segment no ledger counts (never published, or expired) is to be deleted,
+        before deleting it: nobody republishes a segment in the grave."""
+        await self.redis.zadd(self._keys(volume)[3], {segment: _now_ms() + int(grace_s * 1000)}, nx=True)
+
+    async def in_grave(self, volume: str, segment: str) -> bool:
+        return await self.redis.zscore(self._keys(volume)[3], segment) is not None
 
     async def due_for_deletion(self, volume: str) -> list[str]:
         return [s.decode() for s in await self.redis.zrangebyscore(self._keys(volume)[3], 0, _now_ms())]

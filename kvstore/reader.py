@@ -25,6 +25,18 @@ MiB = 1 << 20
 MAX_CACHED_HEADERS = 4096
 
 
+async def read_header(volume: Volume, segment: str) -> SegmentHeader:
+    """The header of a segment object, read from its volume (one 4 KiB read, two for large headers).
+    Raises SegmentMissing if there is no such object, SegmentFormatError if it is not a segment."""
+    head = await volume.read(segment, 0, 4096)
+    if not head:
+        raise SegmentMissing(f"segment {segment} is not on volume {volume.id}")
+    length = header_length(head)
+    if PREAMBLE_BYTES + length > len(head):
+        head = await volume.read(segment, 0, PREAMBLE_BYTES + length)
+    return decode_header(head)
+
+
 class HeaderCheck(NamedTuple):
     headers: dict[str, SegmentHeader]  # segment id -> header, for segments that passed
     valid_blocks: int                  # leading blocks of the hit whose headers match
@@ -60,13 +72,7 @@ class SegmentReader:
         volume = self.volumes.get(volume_id)
         if volume is None:
             raise SegmentFormatError(f"unknown volume {volume_id}")
-        head = await volume.read(segment, 0, 4096)
-        if not head:
-            raise SegmentMissing(f"segment {segment} is not on volume {volume_id}")
-        length = header_length(head)
-        if PREAMBLE_BYTES + length > len(head):
-            head = await volume.read(segment, 0, PREAMBLE_BYTES + length)
-        header = decode_header(head)
+        header = await read_header(volume, segment)
         self._headers[segment] = header
         if len(self._headers) > MAX_CACHED_HEADERS:
             self._headers.popitem(last=False)

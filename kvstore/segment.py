@@ -3,7 +3,9 @@
 Object layout (bytes):
   [0, 8)            magic b"DIKVSEG1"
   [8, 12)           header length H (uint32 little-endian)
-  [12, 12 + H)      msgpack header: fingerprint, geometry, tenant, block hashes, checksums
+  [12, 12 + H)      msgpack header: fingerprint, geometry, tenant, block hashes, checksums, and
+                    "publication": what republishing its index entries needs (chain root,
+                    retention class, TTL, expiry), absent in segments written before it existed
   [.., data_offset) zero padding to a 4 KiB boundary
   [data_offset, ..) latents, layer-major: layer l is bytes
                     [data_offset + l * n_blocks * block_bytes, + n_blocks * block_bytes),
@@ -88,6 +90,23 @@ def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np
     return None if available == n_blocks else available
 
 
+class SegmentPublication(NamedTuple):
+    """How the segment was published, so that a lost index can be rebuilt from the volumes alone."""
+
+    root: bytes        # block 0's hash of the chain (names the index shard), HASH_BYTES
+    retention: str     # retention class, e.g. "chat"
+    ttl_s: int         # the class's (or the request's) TTL, seconds
+    expires_at: int    # unix seconds: written + ttl_s. A hit in the index extends the entry's
+                       # life beyond this; the header keeps the expiry as written.
+
+    @property
+    def written_at(self) -> int:
+        return self.expires_at - self.ttl_s
+
+    def as_dict(self) -> dict:
+        return {"root": self.root, "retention": self.retention, "ttl_s": self.ttl_s, "expires_at": self.expires_at}
+
+
 class SegmentHeader(NamedTuple):
     fingerprint: str
     geometry: CacheGeometry
@@ -95,6 +114,7 @@ class SegmentHeader(NamedTuple):
     hashes: tuple[bytes, ...]   # block hashes, in block order
     checksums: np.ndarray       # (num_layers, n_blocks) uint64, rowsum64 of each block of each layer
     data_offset: int            # bytes
+    publication: SegmentPublication | None = None  # None: written before headers carried it
 
     @property
     def n_blocks(self) -> int:
@@ -107,23 +127,34 @@ def data_offset_for(header_bytes: int) -> int:
 
 def segment_object_bytes(geometry: CacheGeometry, fingerprint: str, tenant: str, blocks: int) -> int:
     """Upper bound of a segment object's size (what the byte budget is charged before writing):
-    data plus a header bound (hashes, checksums, names, msgpack framing)."""
+    data plus a header bound (hashes, checksums, names, publication, msgpack framing)."""
     header = 512 + len(fingerprint.encode()) + len(tenant.encode()) + blocks * (HASH_BYTES + 8 * geometry.num_layers)
     return data_offset_for(header) + blocks * geometry.num_layers * geometry.block_bytes
 
 
 def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
-                   layers: Sequence[np.ndarray]) -> tuple[bytes, int]:
+                   layers: Sequence[np.ndarray], *,
+                   publication: SegmentPublication | None = None) -> tuple[bytes, int]:
     """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, latent_dim)."""
     checksums = np.stack([block_checksums(np.ascontiguousarray(x), geometry.block_tokens) for x in layers])
-    header = msgpack.packb({
+    head = encode_header(fingerprint, geometry, tenant, hashes, checksums, publication=publication)
+    parts = [head] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]
+    return b"".join(parts), len(head)
+
+
+def encode_header(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
+                  checksums: np.ndarray, *, publication: SegmentPublication | None = None) -> bytes:
+    """The bytes of a segment object before its latents: preamble, header, padding to data_offset.
+    `checksums` is (num_layers, len(hashes)) uint64."""
+    fields = {
         "fingerprint": fingerprint, "geometry": geometry.as_dict(), "tenant": tenant,
         "hashes": b"".join(hashes), "checksum": CHECKSUM, "checksums": checksums.astype("<u8").tobytes(),
-    })
-    offset = data_offset_for(len(header))
+    }
+    if publication is not None:
+        fields["publication"] = publication.as_dict()
+    header = msgpack.packb(fields)
     preamble = MAGIC + len(header).to_bytes(4, "little") + header
-    parts = [preamble, bytes(offset - len(preamble))] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]
-    return b"".join(parts), offset
+    return preamble + bytes(data_offset_for(len(header)) - len(preamble))
 
 
 class SegmentFormatError(ValueError):
@@ -153,6 +184,17 @@ def decode_header(raw: bytes) -> SegmentHeader:
         checksums = np.frombuffer(h["checksums"], dtype="<u8").reshape(geometry.num_layers, len(hashes))
         if h["checksum"] != CHECKSUM:
             raise SegmentFormatError(f"unknown checksum {h['checksum']!r}")
-        return SegmentHeader(h["fingerprint"], geometry, h["tenant"], hashes, checksums, data_offset_for(length))
+        publication = _publication(h["publication"]) if "publication" in h else None
+        return SegmentHeader(h["fingerprint"], geometry, h["tenant"], hashes, checksums, data_offset_for(length),
+                             publication)
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
         raise SegmentFormatError(f"malformed header: {e}") from e
+
+
+def _publication(fields: dict) -> SegmentPublication:
+    publication = SegmentPublication(fields["root"], fields["retention"], fields["ttl_s"], fields["expires_at"])
+    if (not isinstance(publication.root, bytes) or len(publication.root) != HASH_BYTES
+            or not isinstance(publication.retention, str)
+            or not all(isinstance(v, int) and v >= 0 for v in (publication.ttl_s, publication.expires_at))):
+        raise SegmentFormatError(f"malformed publication {fields!r}")
+    return publication

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -19,7 +20,7 @@ from .location import BlockLocation, Hit
 from .prefetch import Prefetch
 from .reader import MiB, SegmentReader
 from .retention import RetentionPolicy
-from .segment import encode_segment, segment_object_bytes
+from .segment import SegmentPublication, encode_segment, segment_object_bytes
 from .volume import Volume
 
 log = logging.getLogger(__name__)
@@ -122,9 +123,10 @@ class BlockStore(SegmentReader):
             self.stats.write_failures += 1
             raise SegmentWriteError(f"the index is unreachable, nothing written: {e}") from e
         bt = self.geometry.block_tokens
+        publication = SegmentPublication(hashes[0], retention, ttl, int(time.time()) + ttl)
         written = await self._write_all([
             self._write_segment(volume, first, hashes[start_block + first:start_block + first + count],
-                                [x[first * bt:(first + count) * bt] for x in layers], tenant)
+                                [x[first * bt:(first + count) * bt] for x in layers], tenant, publication)
             for (first, count), volume in zip(spans, volumes)])
         await self._publish_all(hashes, start_block, written, tenant, ttl)
         total = sum(w.bytes for w in written)
@@ -198,10 +200,11 @@ class BlockStore(SegmentReader):
         return chosen
 
     async def _write_segment(self, volume: Volume, first: int, hashes: Sequence[bytes],
-                             layers: Sequence[np.ndarray], tenant: str) -> _Written:
+                             layers: Sequence[np.ndarray], tenant: str, publication: SegmentPublication) -> _Written:
         segment = secrets.token_hex(16)
         payload, offset = await asyncio.get_running_loop().run_in_executor(
-            self._pool, encode_segment, self.fingerprint, self.geometry, tenant, hashes, layers)
+            self._pool, functools.partial(encode_segment, self.fingerprint, self.geometry, tenant, hashes, layers,
+                                          publication=publication))
         try:
             await volume.write(segment, payload)
         except Exception:

@@ -17,6 +17,7 @@ from .location import SEGMENT_ID, VOLUME_ID
 
 ID_KEY = "VOLUME_ID"
 SEGMENT_DIR = "segments/"
+QUARANTINE_DIR = "quarantine/"  # segment objects reconciliation found torn or foreign, kept for a human
 READ_MODES = ("mmap", "pread", "tensorstore")
 # A mapping keeps a deleted (unlinked) segment's disk space allocated, so mappings are dropped
 # once idle, and the cache is bounded.
@@ -26,7 +27,11 @@ MAX_MAPPED_BYTES = 64 << 30
 
 
 def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
-    """A tensorstore kvstore spec: a plain path means the `file` driver on that directory."""
+    """A tensorstore kvstore spec: a plain path means the `file` driver on that directory; a URL
+    (`s3://bucket/prefix`, `gs://...`) its driver. An s3 volume takes the standard AWS variables:
+    AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (an S3-compatible server), AWS_REGION or
+    AWS_DEFAULT_REGION; credentials come from tensorstore's AWS chain (AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and ~/.aws/credentials, instance roles)."""
     if isinstance(volume, dict):
         spec = dict(volume)
     elif "://" in volume:
@@ -35,6 +40,13 @@ def volume_spec(volume: str | dict[str, Any]) -> dict[str, Any]:
         spec = {"driver": "file", "path": os.path.abspath(volume)}
     if spec.get("path") and not spec["path"].endswith("/"):
         spec["path"] += "/"
+    if spec.get("driver") == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint and "endpoint" not in spec:
+            spec["endpoint"] = endpoint
+        if region and "aws_region" not in spec:
+            spec["aws_region"] = region
     return spec
 
 
@@ -82,9 +94,9 @@ class Volume:
             os.makedirs(spec["path"], exist_ok=True)
         store = await ts.KvStore.open(spec, context=ts.Context({"file_io_sync": True}))
         found = await store.read(ID_KEY)
-        if found.state != "value":
-            await store.write(ID_KEY, secrets.token_hex(8).encode())
-            found = await store.read(ID_KEY)  # a concurrent opener may have won; use what is stored
+        if found.state != "value":  # only if still absent: of openers racing (two hosts), one id wins
+            await store.write(ID_KEY, secrets.token_hex(8).encode(), if_equal=found.stamp.generation)
+            found = await store.read(ID_KEY)
         volume_id = found.value.decode().strip()
         if not VOLUME_ID.match(volume_id):
             raise ValueError(f"volume {spec} has a malformed {ID_KEY}: {volume_id!r}")
@@ -92,6 +104,8 @@ class Volume:
 
     @property
     def name(self) -> str:
+        if "bucket" in self.spec:
+            return f"{self.spec['driver']}://{self.spec['bucket']}/{self.spec.get('path', '')}"
         return self.spec.get("path") or str(self.spec)
 
     def _path(self, segment: str) -> str:
@@ -179,19 +193,44 @@ class Volume:
             self._maps.clear()
             self._mapped_bytes = 0
 
+    async def has_size(self, segment: str, size: int) -> bool:
+        """Whether the segment object exists and is exactly `size` bytes (a torn write is shorter)."""
+        if self.spec.get("driver") == "file":
+            try:
+                return os.stat(self._path(segment)).st_size == size
+            except FileNotFoundError:
+                return False
+        try:  # no stat in tensorstore's kvstore API: the last byte must be there and nothing after it
+            result = await self.store.read(segment_key(segment), byte_range=slice(size - 1, None))
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            return False
+        return result.state == "value" and len(result.value) == 1
+
+    async def exists(self, segment: str) -> bool:
+        result = await self.store.read(segment_key(segment), byte_range=slice(0, 0))
+        return result.state == "value"
+
+    async def quarantine(self, segment: str) -> None:
+        """Move a segment object out of `segments/` into `quarantine/` (kept, never read again)."""
+        self.unmap(segment)
+        if self.spec.get("driver") == "file":
+            os.makedirs(self.spec["path"] + QUARANTINE_DIR, exist_ok=True)
+            try:
+                os.rename(self._path(segment), self.spec["path"] + QUARANTINE_DIR + segment)
+            except FileNotFoundError:
+                pass
+            return
+        found = await self.store.read(segment_key(segment))
+        if found.state == "value":
+            await self.store.write(QUARANTINE_DIR + segment, found.value)
+            await self.store.write(segment_key(segment), None)
+
     async def segments(self) -> list[str]:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))
         names = [k.decode()[len(SEGMENT_DIR):] for k in keys]
         return [n for n in names if SEGMENT_ID.match(n)]
-
-    async def age_s(self, segment: str) -> float | None:
-        """Seconds since the segment object was written; None where the driver cannot tell."""
-        if self.spec.get("driver") != "file":
-            return None
-        try:
-            return time.time() - os.stat(self._path(segment)).st_mtime
-        except FileNotFoundError:
-            return None
 
     async def reachable(self) -> bool:
         try:

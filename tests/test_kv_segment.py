@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kvstore import CacheGeometry, block_hashes
-from kvstore.segment import (SegmentFormatError, block_checksums, copy_verified, decode_header,
-                             encode_segment)
+from kvstore.segment import (SegmentFormatError, SegmentPublication, block_checksums, copy_verified,
+                             decode_header, encode_segment)
 
 GEOMETRY = CacheGeometry(num_layers=3, latent_dim=576, block_tokens=16)
 
@@ -28,6 +28,20 @@ def test_header_round_trip_and_layer_major_layout():
     layer2 = np.frombuffer(payload, np.uint16, count=5 * 16 * 576, offset=offset + 2 * 5 * GEOMETRY.block_bytes)
     assert np.array_equal(layer2, data[2].view(np.uint16).reshape(-1))
     assert np.array_equal(header.checksums[1], block_checksums(data[1], 16))
+
+
+def test_header_carries_its_publication():
+    hashes = block_hashes(list(range(2 * 16)), "fp", "t", 16)
+    publication = SegmentPublication(b"r" * 16, "agent", 3 * 86_400, 1_800_000_000)
+    payload, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2), publication=publication)
+    header = decode_header(payload[:offset])
+    assert header.publication == publication and header.publication.written_at == 1_800_000_000 - 3 * 86_400
+    legacy, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2))
+    assert decode_header(legacy[:offset]).publication is None
+    bad, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2),
+                                 publication=publication._replace(root=b"short"))
+    with pytest.raises(SegmentFormatError, match="publication"):
+        decode_header(bad[:offset])
 
 
 def test_malformed_headers_are_refused():

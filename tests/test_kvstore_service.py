@@ -297,3 +297,46 @@ async def test_client_save_errors_carry_status(service):
         assert error.value.status == 409 and "fingerprint" in str(error.value)
     finally:
         await wrong.close()
+
+
+async def test_a_lost_index_is_republished_at_start_and_on_the_admin_call(tmp_path, valkey_server):
+    import redis
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    index = redis.Redis(host=valkey_server.host, port=valkey_server.port)
+    proc, url = start_service(tmp_path, valkey_server.connection_url, "--index-prefix", "lost",
+                              "--reconcile-min-age-s", "0")
+    client = KvstoreClient(url, GEOMETRY, FP)
+    try:
+        hashes = block_hashes(prompt(6, 10), FP, "t", 16)
+        await client.save(hashes, latents(6, 10))
+        assert requests.post(url + "/admin/reconcile").status_code == 401
+        for key in index.scan_iter(match="lost:*"):  # the index lost, the volumes kept
+            index.delete(key)
+        assert (await client.lookup(hashes)).blocks == 0
+        report = requests.post(url + "/admin/reconcile", headers=auth).json()
+        assert report["outcomes"]["republished"] == 2 and report["busy"] == [] and len(report["volumes"]) == 2
+        assert (await client.lookup(hashes)).blocks == 6
+        p = client.prefetch(await client.lookup(hashes))
+        assert await p.valid_tokens() == 96
+        assert 'kvstore_reconciled_segments_total{outcome="republished"} 2.0' in requests.get(url + "/metrics").text
+    finally:
+        await client.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+    for key in index.scan_iter(match="lost:*"):
+        index.delete(key)
+    proc, url = start_service(tmp_path, valkey_server.connection_url, "--index-prefix", "lost",
+                              "--reconcile-min-age-s", "0")
+    client = KvstoreClient(url, GEOMETRY, FP)
+    try:  # restarted over an empty index: the pass at start republishes, in the background
+        deadline = time.monotonic() + 60
+        while (status := requests.get(url + "/admin/reconcile", headers=auth).json())["passes"] < 1:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        assert status["last"]["outcomes"]["republished"] == 2
+        assert (await client.lookup(hashes)).blocks == 6
+    finally:
+        await client.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+        index.close()

@@ -1,4 +1,6 @@
-"""BlockStore on real tensorstore volumes (temp dirs) with a real Valkey index."""
+"""BlockStore on real tensorstore volumes with a real Valkey index: every test that does not depend
+on the file driver runs on directories (temp dirs) and on s3 volumes (a real S3-compatible server,
+moto in server mode), with the segments torn, corrupted or removed for real on either."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +11,7 @@ import pytest
 
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, SegmentWriteError, block_hashes, open_redis
 from kvstore.volume import segment_key
+from tests.volume_shelf import FileShelf, S3Shelf
 
 GEOMETRY = CacheGeometry(num_layers=4, latent_dim=576, block_tokens=16, dtype="bfloat16")
 FP = "mini-model-fp"
@@ -31,16 +34,18 @@ async def index(redis_url):
     await client.aclose()
 
 
-async def open_store(tmp_path, index, n_volumes=2, fingerprint=FP, **options) -> BlockStore:
-    volumes = [str(tmp_path / f"ssd{i}") for i in range(n_volumes)]
+async def open_store(where, index, n_volumes=2, fingerprint=FP, **options) -> BlockStore:
+    """A store over `n_volumes` volumes of a shelf, or directories under a path."""
+    shelf = where if isinstance(where, (FileShelf, S3Shelf)) else FileShelf(where)
+    volumes = shelf.volumes(n_volumes)
     options.setdefault("max_segment_blocks", 4)
     options.setdefault("reader_grace_s", 0.0)
     return await BlockStore.open(volumes, GEOMETRY, fingerprint, index, threads=2, **options)
 
 
 @pytest.fixture
-async def store(tmp_path, index):
-    s = await open_store(tmp_path, index)
+async def store(shelf, index):
+    s = await open_store(shelf, index)
     yield s
     await s.close()
 
@@ -51,7 +56,7 @@ async def read_all(store, hit):
     return layers, await p.valid_tokens()
 
 
-async def test_save_lookup_prefetch_roundtrip(store, index, tmp_path):
+async def test_save_lookup_prefetch_roundtrip(store, index, shelf):
     hashes = block_hashes(prompt(10, 1), FP, "tenant-a", GEOMETRY.block_tokens)
     data = latents(10, 1)
     result = await store.save(hashes, data, tenant="tenant-a")
@@ -63,7 +68,7 @@ async def test_save_lookup_prefetch_roundtrip(store, index, tmp_path):
     for got, want in zip(layers, data):
         assert got.dtype == GEOMETRY.np_dtype and got.shape == (160, 576)
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
-    per_volume = [len(os.listdir(tmp_path / f"ssd{i}" / "segments")) for i in range(2)]
+    per_volume = [len(shelf.segments(v)) for v in shelf.volumes(2)]
     assert sorted(per_volume) == [1, 2]  # segments spread over both volumes
 
 
@@ -90,15 +95,14 @@ async def test_bad_save_arguments_name_the_field(store):
         await store.save(hashes, latents(2, 4), ttl_s=10 ** 9)
 
 
-async def test_publish_only_after_durable(store, index, tmp_path):
+async def test_publish_only_after_durable(store, index, shelf):
     hashes = block_hashes(prompt(16, 5), FP, "t", 16)
     save = asyncio.create_task(store.save(hashes, latents(16, 5)))
     seen_partial = False
     while not save.done():
         hit = await index.lookup(hashes)
-        for run in hit.runs:  # anything findable must already be complete on disk
-            path = tmp_path / next(p for p in os.listdir(tmp_path) if (tmp_path / p / segment_key(run.segment)).exists())
-            size = os.path.getsize(path / segment_key(run.segment))
+        for run in hit.runs:  # anything findable must already be complete on its volume
+            size = len(await asyncio.to_thread(shelf.read, run.segment))
             assert size == run.data_offset + run.n_blocks * GEOMETRY.num_layers * GEOMETRY.block_bytes
         seen_partial |= 0 < hit.blocks < 16
         await asyncio.sleep(0)
@@ -120,22 +124,23 @@ async def test_failed_write_publishes_nothing(tmp_path, index):
         await store.close()
 
 
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
+def _flip_byte(shelf, segment, offset):
+    raw = bytearray(shelf.read(segment))
+    raw[offset] ^= 0x40
+    shelf.write(segment, bytes(raw))
 
 
-async def test_corrupt_block_is_a_miss_from_there_on(store, index, tmp_path):
+def _truncate(shelf, segment, size):
+    shelf.write(segment, shelf.read(segment)[:size])
+
+
+async def test_corrupt_block_is_a_miss_from_there_on(store, index, shelf):
     hashes = block_hashes(prompt(4, 7), FP, "t", 16)
     await store.save(hashes, latents(4, 7))
     hit = await index.lookup(hashes)
     (run,) = hit.runs
-    path = next(p for p in tmp_path.glob(f"ssd*/{segment_key(run.segment)}"))
     # layer 2, block 1: bytes [off + (2 * 4 + 1) * block_bytes, ...)
-    _flip_byte(path, run.data_offset + (2 * 4 + 1) * GEOMETRY.block_bytes + 999)
+    _flip_byte(shelf, run.segment, run.data_offset + (2 * 4 + 1) * GEOMETRY.block_bytes + 999)
     want = latents(4, 7)
     layers, valid = await read_all(store, hit)
     assert valid == 16  # only block 0 survives
@@ -150,24 +155,24 @@ async def test_corrupt_block_is_a_miss_from_there_on(store, index, tmp_path):
     assert (await index.lookup(hashes)).blocks == 1  # the bad entry is gone
 
 
-async def test_torn_or_missing_segment_is_a_miss(store, index, tmp_path):
+async def test_torn_or_missing_segment_is_a_miss(store, index, shelf):
     hashes = block_hashes(prompt(4, 8), FP, "t", 16)
     await store.save(hashes, latents(4, 8))
     hit = await index.lookup(hashes)
-    path = next(tmp_path.glob(f"ssd*/{segment_key(hit.runs[0].segment)}"))
-    os.truncate(path, os.path.getsize(path) - GEOMETRY.block_bytes * 3)  # layer 3 loses blocks 1..3
+    segment = hit.runs[0].segment
+    _truncate(shelf, segment, len(shelf.read(segment)) - GEOMETRY.block_bytes * 3)  # layer 3 loses blocks 1..3
     layers, valid = await read_all(store, hit)
     assert valid == 16 and layers[3].shape[0] == 16
-    os.remove(path)
-    store.forget(hit.runs[0].segment)
+    shelf.remove(segment)
+    store.forget(segment)
     _, valid = await read_all(store, await index.lookup(hashes))
     assert valid == 0
 
 
-async def test_foreign_fingerprint_is_a_miss(tmp_path, index, store):
+async def test_foreign_fingerprint_is_a_miss(shelf, index, store):
     hashes = block_hashes(prompt(2, 9), "other-model", "t", 16)
     await store.save(hashes, latents(2, 9))
-    other = await open_store(tmp_path, index, fingerprint="other-model")
+    other = await open_store(shelf, index, fingerprint="other-model")
     try:
         hit = await index.lookup(hashes)
         _, valid = await read_all(other, hit)
@@ -176,10 +181,11 @@ async def test_foreign_fingerprint_is_a_miss(tmp_path, index, store):
         await other.close()
 
 
-async def test_concurrent_writers_and_readers(store, index, tmp_path):
-    """Two stores on the same volumes and index (as an engine and the kvstore service are), each
-    writing and reading while the other does; chains share a prefix so saves overlap."""
-    other = await open_store(tmp_path, index)
+async def test_concurrent_writers_and_readers(store, index, shelf):
+    """Two stores on the same volumes and index (as an engine and the kvstore service are, or two
+    hosts on one object store), each writing and reading while the other does; chains share a
+    prefix so saves overlap."""
+    other = await open_store(shelf, index)
     shared = prompt(2, 49)
     chains = {seed: block_hashes(shared + prompt(4, seed), FP, "t", 16) for seed in range(50, 58)}
     data = {seed: latents(6, seed) for seed in chains}
@@ -246,28 +252,27 @@ async def test_cancel_serves_empty_layers(store, index):
     assert (await p.layer(GEOMETRY.num_layers - 1)).shape == (0, 576)
 
 
-async def test_index_down_fails_the_save_and_leaves_no_data(tmp_path):
+async def test_index_down_fails_the_save_and_leaves_no_data(shelf):
     from tests.conftest import free_port
     client = open_redis(f"redis://127.0.0.1:{free_port()}/0")
-    store = await open_store(tmp_path, PrefixIndex(client), n_volumes=1)
+    store = await open_store(shelf, PrefixIndex(client), n_volumes=1)
     try:
         with pytest.raises(SegmentWriteError, match="unreachable"):
             await store.save(block_hashes(prompt(2, 90), FP, "t", 16), latents(2, 90))
-        segments = tmp_path / "ssd0" / "segments"
-        assert not segments.exists() or not os.listdir(segments)
+        assert shelf.segments(shelf.volumes(1)[0]) == []
     finally:
         await store.close()
         await client.aclose()
 
 
-async def test_reads_need_no_index(tmp_path, store, index):
+async def test_reads_need_no_index(shelf, store, index):
     from tests.conftest import free_port
     hashes = block_hashes(prompt(3, 91), FP, "t", 16)
     data = latents(3, 91)
     await store.save(hashes, data)
     hit = await index.lookup(hashes)
     dead = open_redis(f"redis://127.0.0.1:{free_port()}/0")
-    offline = await open_store(tmp_path, PrefixIndex(dead))
+    offline = await open_store(shelf, PrefixIndex(dead))
     try:
         layers, valid = await read_all(offline, hit)  # recency bookkeeping fails in the background only
         assert valid == 48 and np.array_equal(layers[2].view(np.uint16), data[2].view(np.uint16))
@@ -296,10 +301,11 @@ async def test_every_read_mode_verifies(tmp_path, index, read_mode):
         hit = await index.lookup(hashes)
         layers, valid = await read_all(store, hit)
         assert valid == 64 and np.array_equal(layers[1].view(np.uint16), data[1].view(np.uint16))
-        store.forget(hit.runs[0].segment)  # as after a restart: nothing cached about it
-        path = next(tmp_path.glob(f"ssd0/{segment_key(hit.runs[0].segment)}"))
-        _flip_byte(path, hit.runs[0].data_offset + (1 * 4 + 2) * GEOMETRY.block_bytes + 7)  # layer 1, block 2
-        os.truncate(path, os.path.getsize(path) - GEOMETRY.block_bytes)  # layer 3 loses block 3
+        segment = hit.runs[0].segment
+        store.forget(segment)  # as after a restart: nothing cached about it
+        shelf = FileShelf(tmp_path)
+        _flip_byte(shelf, segment, hit.runs[0].data_offset + (1 * 4 + 2) * GEOMETRY.block_bytes + 7)  # layer 1, block 2
+        _truncate(shelf, segment, len(shelf.read(segment)) - GEOMETRY.block_bytes)  # layer 3 loses block 3
         layers, valid = await read_all(store, hit)
         # layer 0 may still be delivered whole if it was out before layer 1 failed
         assert valid == 32 and layers[0].shape[0] in (32, 64) and [x.shape[0] for x in layers[1:]] == [32] * 3
@@ -328,12 +334,30 @@ async def test_aclose_waits_out_reads_into_the_buffer(store, index):
     assert await p.valid_tokens() == 0
 
 
-async def test_a_mapped_segment_truncated_in_place_is_remapped(store, index, tmp_path):
-    hashes = block_hashes(prompt(4, 120), FP, "t", 16)
-    await store.save(hashes, latents(4, 120))
-    hit = await index.lookup(hashes)
-    assert (await read_all(store, hit))[1] == 64  # the segment is now mapped
-    path = next(tmp_path.glob(f"ssd*/{segment_key(hit.runs[0].segment)}"))
-    os.truncate(path, os.path.getsize(path) - GEOMETRY.block_bytes)  # layer 3 loses block 3
-    layers, valid = await read_all(store, hit)  # would be SIGBUS on the stale mapping
-    assert valid == 48 and layers[3].shape[0] == 48
+async def test_a_mapped_segment_truncated_in_place_is_remapped(tmp_path, index):
+    store = await open_store(tmp_path, index)
+    try:
+        hashes = block_hashes(prompt(4, 120), FP, "t", 16)
+        await store.save(hashes, latents(4, 120))
+        hit = await index.lookup(hashes)
+        assert (await read_all(store, hit))[1] == 64  # the segment is now mapped
+        path = next(tmp_path.glob(f"ssd*/{segment_key(hit.runs[0].segment)}"))
+        os.truncate(path, os.path.getsize(path) - GEOMETRY.block_bytes)  # layer 3 loses block 3
+        layers, valid = await read_all(store, hit)  # would be SIGBUS on the stale mapping
+        assert valid == 48 and layers[3].shape[0] == 48
+    finally:
+        await store.close()
+
+
+async def test_volumes_opened_at_once_agree_on_their_id(shelf):
+    """Hosts (or an engine and the kvstore) opening a new volume together: one id wins for all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.volume import Volume
+    pool = ThreadPoolExecutor(1)
+    try:
+        url = shelf.volumes(1)[0]
+        opened = await asyncio.gather(*(Volume.open(url, pool) for _ in range(8)))
+        assert len({v.id for v in opened}) == 1
+    finally:
+        pool.shutdown()

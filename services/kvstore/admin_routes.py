@@ -6,12 +6,23 @@ import dataclasses
 from aiohttp import web
 
 from kvstore import BlockStore
+from kvstore.reconcile import Reconciler
 from services.common import RequestError
 
 
-def add_admin_routes(app: web.Application, store_key: web.AppKey) -> None:
+def add_admin_routes(app: web.Application, store_key: web.AppKey, reconciler_key: web.AppKey) -> None:
     def store_of(request: web.Request) -> BlockStore:
         return request.app[store_key]
+
+    async def reconcile(request: web.Request) -> web.Response:
+        """POST: one reconciliation pass now (after any running one); its report."""
+        return web.json_response((await request.app[reconciler_key].run()).as_dict())
+
+    async def reconciliation(request: web.Request) -> web.Response:
+        """GET: whether a pass runs, how many completed, the last one's report."""
+        reconciler: Reconciler = request.app[reconciler_key]
+        last = reconciler.last.as_dict() if reconciler.last is not None else None
+        return web.json_response({"running": reconciler.running, "passes": reconciler.passes, "last": last})
 
     async def stats(request: web.Request) -> web.Response:
         store = store_of(request)
@@ -54,3 +65,5 @@ def add_admin_routes(app: web.Application, store_key: web.AppKey) -> None:
     app.router.add_get("/admin/volumes", volumes)
     app.router.add_post("/admin/sweep", sweep)
     app.router.add_post("/admin/evict", evict)
+    app.router.add_post("/admin/reconcile", reconcile)
+    app.router.add_get("/admin/reconcile", reconciliation)

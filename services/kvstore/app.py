@@ -10,6 +10,7 @@ from redis.exceptions import RedisError
 
 from kvstore import BlockStore, PrefixIndex, SegmentWriteError, open_redis
 from kvstore.location import SEGMENT_ID
+from kvstore.reconcile import Reconciler
 from kvstore.segment import SegmentMissing
 from services.common import (RequestError, add_health_routes, add_metrics_route, admin_auth_middleware,
                              error_middleware)
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 SAVE_FIELDS = {"hashes", "start_block", "tenant", "retention", "ttl_s", "layers"}
 
 STORE = web.AppKey("store", BlockStore)
+RECONCILER = web.AppKey("reconciler", Reconciler)
 CONFIG = web.AppKey("config", KvstoreConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 COLLECTOR = web.AppKey("collector", StoreCollector)
@@ -64,7 +66,7 @@ def create_app(config: KvstoreConfig) -> web.Application:
         await app[COLLECTOR].refresh()
 
     add_metrics_route(app, app[REGISTRY], before=refresh)
-    add_admin_routes(app, STORE)
+    add_admin_routes(app, STORE, RECONCILER)
     return app
 
 
@@ -79,11 +81,16 @@ async def _store_lifecycle(app: web.Application):
         read_ahead=config.read_ahead, reader_grace_s=config.reader_grace_s)
     if config.sweep_interval_s > 0:
         store.capacity.start(config.sweep_interval_s)
+    # Serving starts at once; until reconciliation republishes a segment, its prefixes are misses.
+    reconciler = Reconciler(store, min_age_s=config.reconcile_min_age_s)
+    reconciler.start(config.reconcile_interval_s)
     app[STORE] = store
-    app[COLLECTOR] = StoreCollector(store)
+    app[RECONCILER] = reconciler
+    app[COLLECTOR] = StoreCollector(store, reconciler)
     app[REGISTRY].register(app[COLLECTOR])
     log.info("kvstore serving %s on %d volumes", config.fingerprint, len(store.volumes))
     yield
+    await reconciler.stop()
     await store.close()
     await redis.aclose()
 

@@ -32,6 +32,10 @@ class KvstoreConfig:
     read_mode: str = field(default="mmap", metadata={"help": "file volume reads: mmap, pread or tensorstore"})
     sweep_interval_s: float = field(default=60.0, metadata={"help": "seconds between expiry sweeps (0: off)"})
     reader_grace_s: float = field(default=30.0, metadata={"help": "seconds a retired segment stays readable"})
+    reconcile_interval_s: float = field(default=3600.0, metadata={
+        "help": "seconds between reconciliations of index and volumes after the one at start (0: only at start)"})
+    reconcile_min_age_s: float = field(default=60.0, metadata={
+        "help": "an unpublished segment younger than this is left to its writer, not republished"})
 
     def __post_init__(self) -> None:
         if not self.volumes:
@@ -40,6 +44,8 @@ class KvstoreConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.budget_gib < 0 or self.max_body_mib < 1:
             raise ValueError("--budget-gib must be >= 0 and --max-body-mib >= 1")
+        if self.reconcile_interval_s < 0 or self.reconcile_min_age_s < 0:
+            raise ValueError("--reconcile-interval-s and --reconcile-min-age-s must be >= 0")
 
     @property
     def geometry(self) -> CacheGeometry:

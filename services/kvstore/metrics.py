@@ -4,13 +4,15 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvstore import BlockStore
+from kvstore.reconcile import OUTCOMES, Reconciler
 
 
 class StoreCollector:
     """Collects from `store.stats` at scrape time; `volume_used` is refreshed before each scrape."""
 
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, reconciler: Reconciler | None = None) -> None:
         self.store = store
+        self.reconciler = reconciler
         self.volume_used: dict[str, int] = {}
 
     async def refresh(self) -> None:
@@ -47,3 +49,11 @@ class StoreCollector:
             budget.add_metric([vid], self.store.capacity.budget_bytes or 0)
         yield used
         yield budget
+        if self.reconciler is not None:
+            outcomes = CounterMetricFamily("kvstore_reconciled_segments",
+                                           "segment objects examined by reconciliation, by outcome", labels=["outcome"])
+            for outcome in OUTCOMES:
+                outcomes.add_metric([outcome], self.reconciler.totals[outcome])
+            yield outcomes
+            yield CounterMetricFamily("kvstore_reconcile_passes", "reconciliation passes completed",
+                                      value=self.reconciler.passes)
