@@ -179,8 +179,8 @@ async def test_a_long_prefill_interleaves_with_other_streams_decoding(tiny, tmp_
         got: dict[str, list] = {"a": [], "b": []}
         long_first_token = asyncio.Event()
 
-        async def stream(name, p):
-            async for event in run.engine.run(run.job(p, max_tokens=200, digest=False)):
+        async def stream(name, p):  # decodes far longer than the long prefill lasts; cancelled after it
+            async for event in run.engine.run(run.job(p, max_tokens=5000, digest=False)):
                 if event["type"] == "token":
                     got[name].append(long_first_token.is_set())
 
@@ -195,7 +195,11 @@ async def test_a_long_prefill_interleaves_with_other_streams_decoding(tiny, tmp_
                     during = sum(len(v) for v in got.values()) - before
                     long_first_token.set()
                 ids.append(event["id"])
-        await asyncio.gather(*streams)
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await run.idle()
+        run.check_pages()
     # 1,200 prompt tokens in 32-token steps (minus two decode tokens each): ~40 steps, each decoding both.
     assert len(ids) == 2 and during >= 2 * 30, during
 
@@ -204,15 +208,15 @@ async def test_a_disconnect_mid_prefill_frees_its_pages_and_computes_nothing_mor
     cfg = engine_config(tmp_path, valkey_server.connection_url, step_tokens=32, solo_tokens=32)
     async with Running(tiny, cfg) as run:
         computed = run.metrics.prefill_tokens.labels("computed")
-        events = run.engine.run(run.job(prompt(400, 3000), max_tokens=4, digest=False))
+        events = run.engine.run(run.job(prompt(400, 8000), max_tokens=4, digest=False))
         assert (await anext(events))["type"] == "progress"
-        while computed._value.get() < 200:  # its prefill is under way
+        while computed._value.get() < 200:  # its prefill is under way (250 steps of 32 tokens in all)
             await asyncio.sleep(0.005)
         await events.aclose()
         await run.idle()
         stopped_at = computed._value.get()
         await asyncio.sleep(0.3)
-        assert computed._value.get() == stopped_at < 3000
+        assert computed._value.get() == stopped_at < 8000
         assert run.metrics.requests.labels("cancelled")._value.get() == 1
         assert run.engine.pages.owned_pages == 0
         run.check_pages()
@@ -234,14 +238,19 @@ async def test_a_disconnect_mid_prefill_frees_its_pages_and_computes_nothing_mor
 
 async def test_pool_accounting_after_a_mix_of_requests_cancellations_and_preemptions(tiny, tmp_path):
     rng = np.random.default_rng(7)
-    async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 12, max_batch=6, step_tokens=48)) as run:
+    # 11 usable pages; six growers need 2 each to start and 4 each by their end: preemption is certain.
+    async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 11, max_batch=6, step_tokens=48)) as run:
         shared = prompt(500, 130)
 
         async def one(i):
-            p = np.concatenate([shared, prompt(600 + i, int(rng.integers(1, 120)))]) if i % 2 else prompt(600 + i, 90)
-            events = run.engine.run(run.job(p, max_tokens=int(rng.integers(1, 60)), digest=False))
+            if i < 6:
+                p, max_tokens = prompt(700 + i, 100), 120
+            else:
+                p = np.concatenate([shared, prompt(600 + i, int(rng.integers(1, 120)))]) if i % 2 else prompt(600 + i, 90)
+                max_tokens = int(rng.integers(1, 60))
+            events = run.engine.run(run.job(p, max_tokens=max_tokens, digest=False))
             async for event in events:
-                if i % 5 == 0 and event["type"] == "token":
+                if i % 5 == 4 and event["type"] == "token":
                     await events.aclose()  # a client that goes away mid-answer
                     return
 

@@ -128,7 +128,11 @@ async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
         first = await session.post(url + "/internal/generate", json=long_job)   # holds the only slot
         await first.content.readline()
         second = asyncio.create_task(session.post(url + "/internal/generate", json=long_job))  # queued
-        await asyncio.sleep(0.5)
+        for _ in range(600):  # until the engine counts it as waiting (not a fixed sleep: CI machines are busy)
+            async with session.get(url + "/admin/stats", headers=ADMIN) as r:
+                if (await r.json())["waiting"] == 1:
+                    break
+            await asyncio.sleep(0.05)
         async with session.post(url + "/internal/generate", json=long_job) as third:
             assert third.status == 503 and third.headers["Retry-After"] == "1"
         first.close()  # the client goes away: its generation stops and the queued one starts
