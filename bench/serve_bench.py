@@ -101,6 +101,7 @@ async def sweep(args, url: str, sessions, result: dict) -> None:
             results, duration = await closed_loop(client, picked, c)
             out[str(c)] = summarize(results, duration)
             _said(out[str(c)])
+            report.write_json(args.name + "_partial", result)  # a run cut short keeps what it measured
         if args.rate:
             used = sum(max(args.min_sessions, c) for c in sorted(set(args.concurrency) | {args.cache_concurrency}))
             requests = [turn for s in sessions[used:] for turn in s][: args.rate_requests]
