@@ -458,6 +458,14 @@ class Engine:
             begin = time.perf_counter()
             np.asarray(self.runner.prefill(long, 0, pages, True))
             self.prefill_tokens_per_s = n / (time.perf_counter() - begin)
+            # Every decode batch size at short contexts, and their sampler shapes: a first compile stalls
+            # every running stream for seconds (once per machine: the compilation cache keeps them).
+            sizes = [1 << i for i in range(_pow2(self.cfg.max_batch).bit_length())]
+            for batch in sizes if not self.cfg.batch_invariant else sizes[-1:]:
+                for position in (16, 300, 700):
+                    if position < len(pages) * self.B:
+                        rows = [DecodeRow(1, position, pages)] * batch
+                        sample_batch(self.runner.decode(rows), [SamplingRow(_GREEDY, 0, 0)] * batch)
         finally:
             self.pages.release(pages)
         log.info("warm: prefill %.0f tokens/s; pool %d pages (%d tokens, %.2f GiB)", self.prefill_tokens_per_s,
