@@ -7,6 +7,8 @@ import time
 from aiohttp import web
 
 from services.common import add_metrics_route
+from services.common.instance import add_instance_header
+from services.common.request_id import add_request_ids
 from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway_state import GatewayState
@@ -17,6 +19,8 @@ from services.gateway.tenants import admin_allowed
 
 log = logging.getLogger(__name__)
 
+# Probes and scrapes come every few seconds; a line each would bury the requests.
+_QUIET_ENDPOINTS = frozenset({"/healthz", "/readyz", "/metrics", "/admin/dashboard.json"})
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -43,6 +47,9 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
     request.app[STATE].metrics.requests.labels(endpoint, str(response.status)).inc()
+    if endpoint not in _QUIET_ENDPOINTS:
+        log.info("%s %s -> %d in %.3f s", request.method, request.path, response.status,
+                 time.monotonic() - request[ARRIVED])
     return response
 
 
@@ -92,6 +99,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[openai_error_middleware],
                           client_max_size=config.max_body_bytes)
     app[STATE] = state
+    add_request_ids(app)
+    add_instance_header(app)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)
     app.router.add_post("/v1/chat/completions", chat_completions)

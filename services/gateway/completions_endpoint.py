@@ -10,6 +10,7 @@ from contextlib import aclosing
 
 from aiohttp import web
 
+from services.common.request_id import REQUEST_ID
 from services.gateway.answer_stream import AnswerDelta, AnswerEnd, answer_events
 from services.gateway.chat_template import render_chat, render_completion
 from services.gateway.engine_client import EngineUnavailable
@@ -69,7 +70,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
     header = ResponseHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                             int(time.time()), state.config.served_model)
     eos = (state.tokenizer.special.eos,)
-    job = GenerationJob(header.id, tokens, tenant, parsed.sampling, parsed.retention, eos,
+    # The engines log and save under the request id the client sees in X-Request-Id.
+    job = GenerationJob(request[REQUEST_ID], tokens, tenant, parsed.sampling, parsed.retention, eos,
                         "messages" if chat else "prompt", _pinned_engine(request, state))
     state.metrics.in_flight.inc()
     try:
