@@ -10,6 +10,7 @@ the log file's path and a non-zero exit; tracebacks go to DATA_DIR/logs/launcher
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -17,9 +18,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from services.common.config import ConfigError, load_config
 from services.common.instance import INSTANCE_ENV, INSTANCE_HEADER
@@ -70,8 +73,8 @@ class StackConfig:
             raise ValueError(f"--engines must be >= 1, got {self.engines}")
 
 
-class ServiceExited(Exception):
-    """A service this launcher started exited before it was ready; the message says why (its log)."""
+class ServiceFailed(Exception):
+    """A service this launcher started exited, or said it cannot serve, before it was ready; the message says why."""
 
 
 class Stack:
@@ -191,9 +194,13 @@ class Stack:
                 if proc.poll() is not None:
                     log.error("%s exited with %d during start; last log lines:\n%s", name, proc.returncode,
                               self.tail(name))
-                    raise ServiceExited(f"{name} exited during start (exit {proc.returncode}): "
+                    raise ServiceFailed(f"{name} exited during start (exit {proc.returncode}): "
                                         f"{last_error_line(self.tail(name))}; its log: {self.logs / (name + '.log')}")
-                if _ready(url, self.instances.get(name)):
+                answer = probe(url, self.instances.get(name))
+                if answer.error:
+                    log.error("%s cannot serve: %s\n%s", name, answer.error, self.tail(name))
+                    raise ServiceFailed(f"{name} cannot serve: {answer.error}; its log: {self.logs / (name + '.log')}")
+                if answer.ready:
                     self.say(f"{name:9s} {url} ready")
                     del waiting[name]
             if time.monotonic() > deadline:
@@ -241,13 +248,31 @@ def durable_valkey(data_dir: Path, host: str, port: int):
     return ValkeyServer(port=port, host=host, data_dir=data_dir, persist=True, config=VALKEY_PERSISTENCE)
 
 
-def _ready(url: str, instance: str | None = None) -> bool:
-    """url answers /readyz with 200, and (given an instance id) it is that process that answers."""
+class Probe(NamedTuple):
+    ready: bool
+    ours: bool          # the answer came from the process with the instance id asked for
+    error: str | None   # a service that runs but cannot serve says why (an engine whose model failed to load)
+
+
+def probe(url: str, instance: str | None = None) -> Probe:
+    """GET url/readyz: ready, from the process started with `instance` (any process when None)."""
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
-            return response.status == 200 and (instance is None or response.headers.get(INSTANCE_HEADER) == instance)
+            status, headers, body = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        status, headers, body = error.code, error.headers, error.read()
     except OSError:
-        return False
+        return Probe(False, False, None)
+    ours = instance is None or headers.get(INSTANCE_HEADER) == instance
+    try:
+        reported = json.loads(body).get("error") if ours else None
+    except (ValueError, AttributeError):
+        reported = None
+    return Probe(ours and status == 200, ours, reported if isinstance(reported, str) else None)
+
+
+def _ready(url: str, instance: str | None = None) -> bool:
+    return probe(url, instance).ready
 
 
 def last_error_line(log_text: str) -> str:
@@ -323,7 +348,7 @@ def up(argv: list[str] | None = None) -> int:
     except StartRefused as refused:
         refuse(refused.problems, log_path)
         return 2
-    except (ServiceExited, TimeoutError) as failed:
+    except (ServiceFailed, TimeoutError) as failed:
         refuse([str(failed)], log_path)
         return 1
     except Exception as error:  # noqa: BLE001 - the console gets one line, the log the traceback
