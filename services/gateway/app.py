@@ -11,6 +11,7 @@ from services.common.instance import add_instance_header
 from services.common.request_id import add_request_ids
 from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
 from services.gateway.config import GatewayConfig
+from services.gateway.dashboard_routes import add_dashboard_routes
 from services.gateway.gateway_state import GatewayState
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_responses import models_list
@@ -111,4 +112,5 @@ def create_app(config: GatewayConfig) -> web.Application:
     add_metrics_route(app, state.metrics.registry)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/stats", admin_stats)
+    add_dashboard_routes(app)
     return app
