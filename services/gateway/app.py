@@ -109,7 +109,10 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    add_metrics_route(app, state.metrics.registry)
+    async def before_scrape() -> None:
+        state.metrics.prefix_index_up.set(1 if await state.lookup.ready() else 0)
+
+    add_metrics_route(app, state.metrics.registry, before=before_scrape)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/stats", admin_stats)
     add_dashboard_routes(app)

@@ -41,4 +41,6 @@ class GatewayMetrics:
         self.tpot_seconds = Histogram("gateway_time_per_output_token_seconds",
                                       "Time per generated token after the first, per request",
                                       buckets=_TPOT_BUCKETS_S, registry=r)
+        self.prefix_index_up = Gauge("gateway_prefix_index_up",
+                                     "1 when the prefix index (Redis) answers, read at each scrape", registry=r)
         self.in_flight = Gauge("gateway_requests_in_flight", "Generations in progress", registry=r)
