@@ -2,36 +2,25 @@
 on a real stack under a short load: the page's numbers are the ones /metrics reports, and its charts
 drew the load (requests per second, prompt tokens served from the disk tier).
 
-.ci/run installs the browser and sets DEEPINFER_REQUIRE_TOOLS=1, so in CI a missing browser fails
-this test; elsewhere it skips with the reason.
+.ci/run installs the browser (see tests/ci_tools.py): in CI a missing browser fails this test.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.ci_tools import require_tool
 from tests.stack_probes import http, metric, start_tiny_stack, wait_for_saves
 
 SYSTEM = "You answer questions about the DeepInfer dashboard, briefly and with numbers. " * 12
 
 
-def require(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        message = f"{tool} is not installed (apt-get install chromium chromium-driver; .ci/run does)"
-        if os.environ.get("DEEPINFER_REQUIRE_TOOLS"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
 @pytest.fixture(scope="module")
 def browser():
-    chromium, chromedriver = require("chromium"), require("chromedriver")
+    chromium, chromedriver = require_tool("chromium"), require_tool("chromedriver")
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
