@@ -95,8 +95,11 @@ def report(run: RunFile) -> tuple[list[str], bool]:
                 "disk": e.total("deepinfer_engine_prefill_tokens_total", source="loaded")}
             prompt = e.total("deepinfer_engine_prefill_tokens_total")
             hits = ", ".join(f"{tier} {tokens / max(prompt, 1):.0%}" for tier, tokens in sorted(tiers.items()))
+            pool = ", ".join(f"{n.removeprefix('deepinfer_engine_pool_')} {v:,.0f}" for n, labels, v in e.rows
+                             if n.startswith("deepinfer_engine_pool_") and not labels)
             lines.append(f"{name:9s} in flight {stats.get('in_flight', 0)}, waiting {stats.get('waiting', 0)}, "
-                         f"saves pending {stats.get('pending_saves', 0)}; prompt tokens hit: {hits}")
+                         f"saves pending {stats.get('pending_saves', 0)}; prompt tokens hit: {hits}"
+                         + (f"; pool: {pool}" if pool else ""))
     if "kvstore" in run.services:
         k = _samples(run.services["kvstore"].url)
         budgets = k.by("kvstore_volume_budget_bytes", "volume")
