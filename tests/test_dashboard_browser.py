@@ -79,6 +79,9 @@ def test_the_dashboard_shows_what_metrics_reports_under_load(stack, browser, tmp
     assert "token" not in browser.current_url  # the fragment is dropped from the address bar once read
     chat(stack, "What does the hit ratio mean?")  # a miss that saves the system prompt's blocks
     wait_for_saves(stack)
+    dropped = http("POST", stack.engine_urls[0] + "/admin/memory-tier/drop", b"",
+                   {"Authorization": f"Bearer {stack.admin_token}"})
+    assert dropped.status == 200, dropped  # the next hit comes from disk, the ones after it from memory
     for i in range(6):
         assert chat(stack, f"Question {i}: what is TTFT?")["usage"]["prompt_cache_hit_tokens"] > 0
     requests = generation_requests(stack)
@@ -92,7 +95,12 @@ def test_the_dashboard_shows_what_metrics_reports_under_load(stack, browser, tmp
     rates = browser.execute_script("return window.dashboardSeries('rates')")
     hits = browser.execute_script("return window.dashboardSeries('hits')")
     assert max(v or 0 for _, v in rates["requests/s"]) > 0
-    assert max(v or 0 for _, v in hits["disk"]) > 0  # the disk tier's share of prompt tokens was drawn
+    for tier in ("memory", "disk"):  # each tier's share of prompt tokens was drawn
+        assert max(v or 0 for _, v in hits[tier]) > 0, tier
+    tiers = {tier: metric(stack.engine_urls[0], "deepinfer_engine_prefix_hit_tokens_total", f'tier="{tier}"')
+             for tier in ("memory", "disk")}
+    engine_row = [cell.text for cell in browser.find_elements("css selector", "#engines tr.row td")]
+    assert engine_row[4] == f"{tiers['memory']:,.0f} / {tiers['disk']:,.0f}" and min(tiers.values()) > 0
     assert text(browser, "redis-health") == "redis ok" and text(browser, "kvstore-health") == "kvstore up"
     assert text(browser, "engines-health") == "engines 1/1 up"
     assert text(browser, "ttft") != "- / -"
