@@ -109,7 +109,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    async def before_scrape() -> None:
+
+    async def before_scrape() -> None:  # Redis health as a gauge, for Prometheus and Grafana
         state.metrics.prefix_index_up.set(1 if await state.lookup.ready() else 0)
 
     add_metrics_route(app, state.metrics.registry, before=before_scrape)
