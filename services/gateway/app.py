@@ -1,6 +1,7 @@
 """The gateway's aiohttp application: routes, OpenAI-format errors, health and admin."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 # Probes and scrapes come every few seconds; a line each would bury the requests.
 _QUIET_ENDPOINTS = frozenset({"/healthz", "/readyz", "/metrics", "/admin/dashboard.json"})
+SCRAPE_PING_S = 0.5
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -111,7 +113,11 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/readyz", readyz)
 
     async def before_scrape() -> None:  # Redis health as a gauge, for Prometheus and Grafana
-        state.metrics.prefix_index_up.set(1 if await state.lookup.ready() else 0)
+        try:  # a scrape waits at most SCRAPE_PING_S for it: a hung Redis reads as down
+            up = await asyncio.wait_for(state.lookup.ready(), SCRAPE_PING_S)
+        except asyncio.TimeoutError:
+            up = False
+        state.metrics.prefix_index_up.set(1 if up else 0)
 
     add_metrics_route(app, state.metrics.registry, before=before_scrape)
     app.router.add_get("/openapi.json", openapi)
