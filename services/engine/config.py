@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 
 from services.common.config import load_config
+from services.common.logs import check_log_format
 
 POOL_MEMORY_SHARE = 0.05  # of physical memory, per engine replica, when no pool size is given
 POOL_GIB_CAP = 1.0
@@ -64,6 +65,7 @@ class EngineConfig:
                 "silence timeout then only fires on a stuck engine, never on a long prompt)"})
     admin_token: str = field(default="", metadata={"help": "bearer token for /admin/*; empty disables admin"})
     warmup: bool = field(default=True, metadata={"help": "compile common shapes before reporting ready"})
+    log_format: str = field(default="text", metadata={"help": "log lines: text or json"})
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -78,6 +80,7 @@ class EngineConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.kvstore_url and self.volumes:
             raise ValueError("give either --kvstore-url (remote cache) or --volume (mounted), not both")
+        check_log_format(self.log_format)
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
 

@@ -27,6 +27,7 @@ from model.paged_runner import SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner
 from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, request_seed, sample_batch
 from model.weights import LoadedModel
+from services.common.request_id import current_request_id
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
@@ -212,6 +213,7 @@ class Engine:
     async def _start_load(self, seq: Sequence, store) -> None:
         if seq.status is not Status.LOADING:
             return
+        current_request_id.set(seq.request_id)  # this task's reads carry it to the kvstore service
         hit = seq.job.hit.truncated(seq.load_blocks)
         # Layers are read straight into one staging buffer, padded to a power of two of pages, so
         # each layer goes to the pool as one copy and one scatter with no repacking.
@@ -424,6 +426,7 @@ class Engine:
             self.saves.discard(future)
 
     async def _save_async(self, store, job: Job, hashes: list[bytes], layers: list, start: int) -> None:
+        current_request_id.set(job.request_id)  # this task's writes carry it to the kvstore service
         try:
             host = await asyncio.to_thread(lambda: [self.latents.host(x) for x in layers])
             result = await store.save(hashes, host, start_block=start, tenant=job.tenant, retention=job.retention)

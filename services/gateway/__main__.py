@@ -1,24 +1,24 @@
 """python -m services.gateway [--engine URL ...] [--api-keys KEY:TENANT,...] ...: run until SIGTERM."""
 from __future__ import annotations
 
-import logging
 import sys
 
 from aiohttp import web
 
 from services.common import ConfigError
+from services.common.logs import configure_logging
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("gateway")
     try:
         config = GatewayConfig.load(argv)
     except ConfigError as error:
         print(f"gateway: {error}", file=sys.stderr)
         return 2
+    configure_logging("gateway", config.log_format)
     # handler_cancellation: a client that goes away cancels its handler, which closes the
     # engine stream, which cancels the generation. shutdown_timeout drains in-flight requests.
     web.run_app(create_app(config), host=config.host, port=config.port,

@@ -1,14 +1,18 @@
 """The gateway's aiohttp application: routes, OpenAI-format errors, health and admin."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from aiohttp import web
 
 from services.common import add_metrics_route
+from services.common.instance import add_instance_header
+from services.common.request_id import add_request_ids
 from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
 from services.gateway.config import GatewayConfig
+from services.gateway.dashboard_routes import add_dashboard_routes
 from services.gateway.gateway_state import GatewayState
 from services.gateway.openai_errors import OpenAIError
 from services.gateway.openai_responses import models_list
@@ -17,6 +21,9 @@ from services.gateway.tenants import admin_allowed
 
 log = logging.getLogger(__name__)
 
+# Probes and scrapes come every few seconds; a line each would bury the requests.
+_QUIET_ENDPOINTS = frozenset({"/healthz", "/readyz", "/metrics", "/admin/dashboard.json"})
+SCRAPE_PING_S = 0.5
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -43,6 +50,9 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
     request.app[STATE].metrics.requests.labels(endpoint, str(response.status)).inc()
+    if endpoint not in _QUIET_ENDPOINTS:
+        log.info("%s %s -> %d in %.3f s", request.method, request.path, response.status,
+                 time.monotonic() - request[ARRIVED])
     return response
 
 
@@ -92,6 +102,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[openai_error_middleware],
                           client_max_size=config.max_body_bytes)
     app[STATE] = state
+    add_request_ids(app)
+    add_instance_header(app)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -99,7 +111,16 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    add_metrics_route(app, state.metrics.registry)
+
+    async def before_scrape() -> None:  # Redis health as a gauge, for Prometheus and Grafana
+        try:  # a scrape waits at most SCRAPE_PING_S for it: a hung Redis reads as down
+            up = await asyncio.wait_for(state.lookup.ready(), SCRAPE_PING_S)
+        except asyncio.TimeoutError:
+            up = False
+        state.metrics.prefix_index_up.set(1 if up else 0)
+
+    add_metrics_route(app, state.metrics.registry, before=before_scrape)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/stats", admin_stats)
+    add_dashboard_routes(app)
     return app

@@ -10,6 +10,7 @@ from contextlib import aclosing
 
 from aiohttp import web
 
+from services.common.request_id import REQUEST_ID
 from services.gateway.answer_stream import AnswerDelta, AnswerEnd, answer_events
 from services.gateway.chat_template import render_chat, render_completion
 from services.gateway.engine_client import EngineUnavailable
@@ -69,17 +70,19 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
     header = ResponseHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                             int(time.time()), state.config.served_model)
     eos = (state.tokenizer.special.eos,)
-    job = GenerationJob(header.id, tokens, tenant, parsed.sampling, parsed.retention, eos,
+    # The engines log and save under the request id the client sees in X-Request-Id.
+    job = GenerationJob(request[REQUEST_ID], tokens, tenant, parsed.sampling, parsed.retention, eos,
                         "messages" if chat else "prompt", _pinned_engine(request, state))
     state.metrics.in_flight.inc()
     try:
         async with state.router.generation(job) as generation:
-            state.metrics.ttft_seconds.observe(time.monotonic() - request[ARRIVED])
+            first_token_at = time.monotonic()
+            state.metrics.ttft_seconds.observe(first_token_at - request[ARRIVED])
             async with aclosing(answer_events(generation, len(tokens), state.tokenizer,
                                               parsed.stop, eos)) as answer:
                 if parsed.stream:
-                    return await _stream(request, state, header, answer, parsed, chat)
-                return await _whole(state, header, answer, chat)
+                    return await _stream(request, state, header, answer, parsed, chat, first_token_at)
+                return await _whole(state, header, answer, chat, first_token_at)
     except asyncio.CancelledError:  # the client went away (handler_cancellation)
         state.metrics.client_disconnects.inc()
         log.info("request %s: client went away, generation cancelled", header.id)
@@ -101,8 +104,10 @@ def _pinned_engine(request: web.Request, state: GatewayState) -> str | None:
     return pin
 
 
-def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool) -> Usage:
+def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool, first_token_at: float) -> Usage:
     usage = Usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens)
+    if end.completion_tokens > 1:  # time per output token after the first (TPOT)
+        state.metrics.tpot_seconds.observe((time.monotonic() - first_token_at) / (end.completion_tokens - 1))
     state.metrics.prompt_tokens.labels("hit").inc(usage.cached_tokens)
     state.metrics.prompt_tokens.labels("miss").inc(usage.prompt_tokens - usage.cached_tokens)
     state.metrics.completion_tokens.inc(usage.completion_tokens)
@@ -115,7 +120,8 @@ def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool) -> Usag
     return usage
 
 
-async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool) -> web.Response:
+async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool,
+                 first_token_at: float) -> web.Response:
     parts: list[str] = []
     try:
         async for item in answer:
@@ -128,14 +134,14 @@ async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool
         log.warning("request %s: engine failed mid-generation: %s", header.id, failure)
         raise unavailable("The engine failed while generating the answer. Try again.") from None
     text = "".join(parts)
-    usage = _account(state, end, text, chat)
+    usage = _account(state, end, text, chat, first_token_at)
     body = (chat_completion(header, text, end.finish_reason, usage) if chat
             else text_completion(header, text, end.finish_reason, usage))
     return web.json_response(body)
 
 
 async def _stream(request: web.Request, state: GatewayState, header: ResponseHeader, answer,
-                  parsed: ChatCompletionRequest | CompletionRequest, chat: bool
+                  parsed: ChatCompletionRequest | CompletionRequest, chat: bool, first_token_at: float
                   ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
@@ -148,7 +154,7 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
 
     try:
         try:
-            await _send_answer(send, state, header, answer, parsed.include_usage, chat)
+            await _send_answer(send, state, header, answer, parsed.include_usage, chat, first_token_at)
         except EngineUnavailable as failure:
             state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
             log.warning("request %s: engine failed mid-stream: %s", header.id, failure)
@@ -165,7 +171,7 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
 
 
 async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer,
-                       include_usage: bool, chat: bool) -> None:
+                       include_usage: bool, chat: bool, first_token_at: float) -> None:
     if chat:
         await send(chat_chunk(header, {"role": "assistant", "content": ""},
                               include_usage_field=include_usage))
@@ -178,7 +184,7 @@ async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer
                        else text_completion(header, item.text, None,
                                             include_usage_field=include_usage))
             continue
-        usage = _account(state, item, "".join(parts), chat)
+        usage = _account(state, item, "".join(parts), chat, first_token_at)
         # OpenAI sends usage in an extra choice-less chunk when asked; DeepSeek always puts it
         # on the last chunk. Either way it appears exactly once.
         last_usage = None if include_usage else usage

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from services.common import load_config
+from services.common.logs import check_log_format
 from services.gateway.tokenizer import DEFAULT_TOKENIZER_JSON
 
 ENV_PREFIX = "gateway"  # variables are DEEPINFER_GATEWAY_<FIELD>
@@ -55,6 +56,9 @@ class GatewayConfig:
                 "prompt never hits this"})
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests may take to finish on shutdown"})
+    kvstore_url: str = field(default="", metadata={
+        "help": "the kvstore service, for the dashboard's volume panel (empty: no volume panel)"})
+    log_format: str = field(default="text", metadata={"help": "log lines: text or json"})
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -70,6 +74,7 @@ class GatewayConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
         api_keys(self.api_keys)  # fails at startup on a malformed list
+        check_log_format(self.log_format)
 
     @classmethod
     def load(cls, argv: Sequence[str] | None = None,

@@ -16,6 +16,8 @@ from typing import AsyncIterator, NamedTuple
 
 import aiohttp
 
+from services.common.request_id import forwarded_headers
+
 
 class TokenEvent(NamedTuple):
     token_id: int
@@ -97,6 +99,7 @@ class EngineClient:
         """Start a generation; yields its event stream. Leaving the block cancels it."""
         try:
             response = await self._session.post(f"{self.url}/internal/generate", json=job,
+                                                headers=forwarded_headers(),
                                                 timeout=self._stream_timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
             raise EngineUnavailable(self.url, f"unreachable ({error!r})") from error

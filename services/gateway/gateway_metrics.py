@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TPOT_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class GatewayMetrics:
@@ -37,4 +38,9 @@ class GatewayMetrics:
         self.ttft_seconds = Histogram("gateway_time_to_first_token_seconds",
                                       "Request arrival to first generated token",
                                       buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tpot_seconds = Histogram("gateway_time_per_output_token_seconds",
+                                      "Time per generated token after the first, per request",
+                                      buckets=_TPOT_BUCKETS_S, registry=r)
+        self.prefix_index_up = Gauge("gateway_prefix_index_up",
+                                     "1 when the prefix index (Redis) answers, read at each scrape", registry=r)
         self.in_flight = Gauge("gateway_requests_in_flight", "Generations in progress", registry=r)

@@ -233,6 +233,8 @@ def openapi_document(vocab_size: int, served_model: str) -> dict:
             "/metrics": _plain("Prometheus metrics", "text/plain"),
             "/openapi.json": _plain("This document"),
             "/admin/stats": _plain("Engines, token cache and prefix lookup counters", admin=True),
+            "/dashboard": _plain("The live dashboard page (its data needs the admin token)", "text/html"),
+            "/admin/dashboard.json": _plain("The dashboard's data: the whole stack's counters", admin=True),
         },
         "components": {
             "schemas": {**_request_schemas(vocab_size, served_model), **_RESPONSE_SCHEMAS},

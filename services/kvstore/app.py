@@ -14,6 +14,8 @@ from kvstore.reconcile import Reconciler
 from kvstore.segment import SegmentMissing
 from services.common import (RequestError, add_health_routes, add_metrics_route, admin_auth_middleware,
                              error_middleware)
+from services.common.instance import add_instance_header
+from services.common.request_id import add_request_ids
 
 from . import wire
 from .admin_routes import add_admin_routes
@@ -46,6 +48,8 @@ def create_app(config: KvstoreConfig) -> web.Application:
                           middlewares=[error_middleware, admin_auth_middleware(config.admin_token),
                                        index_down_middleware])
     app[CONFIG] = config
+    add_request_ids(app)
+    add_instance_header(app)
     app.cleanup_ctx.append(_store_lifecycle)
     app.router.add_post("/v1/segments", save_segments)
     app.router.add_delete("/v1/segments/{segment}", delete_segment)
@@ -114,6 +118,8 @@ async def save_segments(request: web.Request) -> web.Response:
     except SegmentWriteError as e:
         log.error("save failed: %s", e)
         raise RequestError(503, f"could not store the segment: {e}") from None
+    log.info("saved %d blocks (%d bytes) of tenant %r in %d segments", result.blocks, result.bytes, save.tenant,
+             len(result.segments))
     return web.json_response({"blocks": result.blocks, "segments": list(result.segments), "bytes": result.bytes})
 
 
@@ -131,7 +137,8 @@ async def read_layer(request: web.Request) -> web.Response:
         raise RequestError(404, f"unknown segment {read.hit.runs[0].segment}", "runs[0]") from None
     except Exception:  # corrupt header: read_layer below counts it and serves a miss
         pass
-    if read.layer == 0:
+    if read.layer == 0:  # one line per hit, not one per layer
+        log.info("reading a hit of %d blocks", read.hit.blocks)
         store.touch(read.hit)
     context, _ = await store.begin_read(read.hit)
     try:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvstore import CacheGeometry, Hit, LayerRead, Prefetch, SaveResult, miss
 from kvstore.store import READ_AHEAD_LAYERS
+from services.common.request_id import forwarded_headers
 
 from . import wire
 
@@ -61,7 +62,8 @@ class KvstoreClient:
 
     async def _post(self, path: str, message: dict[str, Any]) -> aiohttp.ClientResponse:
         body = msgpack.packb(message)
-        return await self._http().post(self.base_url + path, data=body, headers={"Content-Type": wire.MSGPACK})
+        headers = {"Content-Type": wire.MSGPACK} | forwarded_headers()  # the engine's request id, if any
+        return await self._http().post(self.base_url + path, data=body, headers=headers)
 
     async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,
                    tenant: str = "", retention: str = "chat", ttl_s: int | None = None) -> SaveResult:

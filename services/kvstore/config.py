@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore import CacheGeometry
+from services.common.logs import check_log_format
 from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
 
 
@@ -36,6 +37,7 @@ class KvstoreConfig:
         "help": "seconds between reconciliations of index and volumes after the one at start (0: only at start)"})
     reconcile_min_age_s: float = field(default=60.0, metadata={
         "help": "an unpublished segment younger than this is left to its writer, not republished"})
+    log_format: str = field(default="text", metadata={"help": "log lines: text or json"})
 
     def __post_init__(self) -> None:
         if not self.volumes:
@@ -46,6 +48,7 @@ class KvstoreConfig:
             raise ValueError("--budget-gib must be >= 0 and --max-body-mib >= 1")
         if self.reconcile_interval_s < 0 or self.reconcile_min_age_s < 0:
             raise ValueError("--reconcile-interval-s and --reconcile-min-age-s must be >= 0")
+        check_log_format(self.log_format)
 
     @property
     def geometry(self) -> CacheGeometry:
