@@ -216,8 +216,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await response.write(json.dumps({"type": "error", "message": repr(error)}).encode() + b"\n")
     finally:
         if pending is not None and not pending.done():
-            pending.cancel()  # the generation unwinds (its slot is released) before the stream closes
+            pending.cancel()  # the generation unwinds (its sequence is freed) before the stream closes
             await asyncio.wait({pending})
+        if pending is not None and not pending.cancelled():
+            pending.exception()  # retrieved: a stream that ended as the client left is no error to log
         await events.aclose()
     await response.write_eof()
     log.info("request %s: done in %.3f s", job.request_id, time.monotonic() - begin)
