@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from model.config import ModelConfig
 from model.experts import routed_experts
+from model.sharding import expert_parallel
 
 INIT_STD = 0.02  # DeepSeek's initializer_range
 
@@ -115,8 +116,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         weights_TK, ids_TK = self.route(x_TD)
-        routed_TD = routed_experts(x_TD, weights_TK, ids_TK, self.gate_proj[...], self.up_proj[...],
-                                   self.down_proj[...])
+        # On a mesh with an "expert" axis each device runs only its own experts (model/sharding.py).
+        routed_TD = expert_parallel(routed_experts, x_TD, weights_TK, ids_TK, self.gate_proj[...],
+                                    self.up_proj[...], self.down_proj[...])
         if self.shared is not None:
             routed_TD = routed_TD + self.shared(x_TD)
         return routed_TD

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.sharding import param_shardings
 from model.transformer import DeepseekModel
 
 
@@ -75,8 +77,11 @@ def save_model(model: DeepseekModel, cfg: ModelConfig, out: str | os.PathLike) -
     return LoadedModel(model, cfg, fingerprint, digest)
 
 
-def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
-    """Restores a saved model; a missing or misshapen tensor fails naming the tensor."""
+def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -> LoadedModel:
+    """Restores a saved model; a missing or misshapen tensor fails naming the tensor.
+
+    With a mesh, every parameter is read straight into its shards (orbax restores each device's
+    slice of each tensor), never whole on one device; see model/sharding.py for the layout."""
     path = Path(path).absolute()
     for needed in ("config.json", "meta.json", "params"):
         if not (path / needed).exists():
@@ -95,10 +100,14 @@ def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
                 raise ValueError(f"checkpoint {path}: tensor {name} is missing")
             if stored[name] != shape:
                 raise ValueError(f"checkpoint {path}: tensor {name} has shape {stored[name]}, expected {shape}")
+        if mesh is not None:
+            target = jax.tree.map(lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                                                               sharding=sharding),
+                                  target, param_shardings(target, mesh))
         restored = checkpointer.restore(path / "params", target)
     # orbax hands back what was saved: numpy arrays for a converted model. As jit arguments those
     # would be copied to the device on every call, so place every parameter on the device once.
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, restored))
+    nnx.replace_by_pure_dict(state, restored if mesh is not None else jax.tree.map(jnp.asarray, restored))
     model = nnx.merge(graphdef, state)
     digest = meta["weights_digest"]
     if cfg.param_dtype != saved_cfg.param_dtype:
