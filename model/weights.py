@@ -42,14 +42,23 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, jax.Array]:
     return out
 
 
+def tensor_line(name: str, shape: tuple[int, ...], dtype, sha256_hex: str) -> bytes:
+    """One tensor's entry in the weights digest: its name, shape, dtype and the sha256 of its C-order bytes."""
+    return f"{name}:{tuple(shape)}:{np.dtype(dtype)}:{sha256_hex}\n".encode()
+
+
+def combine_digest(lines: dict[str, bytes]) -> str:
+    return hashlib.sha256(b"".join(lines[name] for name in sorted(lines))).hexdigest()
+
+
 def weights_digest(model: DeepseekModel) -> str:
-    """sha256 over every parameter's name, shape, dtype and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name, value in sorted(_flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()):
-        array = np.asarray(value)
-        digest.update(f"{name}:{array.shape}:{array.dtype}".encode())
-        digest.update(np.ascontiguousarray(array).view(np.uint8).tobytes())
-    return digest.hexdigest()
+    """sha256 over every parameter's `tensor_line`, in name order. Hashing each tensor on its own
+    lets the streaming converter hash tensors in whatever order it writes them."""
+    lines = {}
+    for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
+        array = np.ascontiguousarray(np.asarray(value))
+        lines[name] = tensor_line(name, array.shape, array.dtype, hashlib.sha256(array.view(np.uint8)).hexdigest())
+    return combine_digest(lines)
 
 
 def init_model(cfg: ModelConfig, progress: bool = False) -> DeepseekModel:
@@ -70,11 +79,16 @@ def save_model(model: DeepseekModel, cfg: ModelConfig, out: str | os.PathLike) -
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / "params", params)
     shapes = {name: list(np.shape(v)) for name, v in _flat(params).items()}
+    return LoadedModel(model, cfg, write_identity(out, cfg, digest, shapes), digest)
+
+
+def write_identity(out: Path, cfg: ModelConfig, digest: str, shapes: dict[str, list[int]]) -> str:
+    """config.json and meta.json of a model directory; returns the fingerprint."""
     fingerprint = cfg.fingerprint(digest)
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
     (out / "meta.json").write_text(json.dumps({"weights_digest": digest, "fingerprint": fingerprint,
                                                "shapes": shapes}, indent=2))
-    return LoadedModel(model, cfg, fingerprint, digest)
+    return fingerprint
 
 
 def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -> LoadedModel:
