@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -137,3 +138,32 @@ def read_identity(path: str | os.PathLike, cache_dtype: str | None = None) -> tu
         cfg = cfg.replace(cache_dtype=cache_dtype)
     digest = json.loads((path / "meta.json").read_text())["weights_digest"]
     return cfg, cfg.fingerprint(digest)
+
+
+def init_on_device(cfg: ModelConfig, seed: int = 0) -> DeepseekModel:
+    """Random weights drawn with jax.random where they live (no host copy, fast on an accelerator):
+    N(0, 0.02) matrices, unit norms, zero router bias. Not the bytes of `init_model`; for benchmarks."""
+    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    names = _flat(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    key = jax.random.key(seed)
+
+    @partial(jax.jit, static_argnums=(1, 2))
+    def normal(key, shape, dtype):
+        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+    values = {}
+    for i, (name, value) in enumerate(sorted(names.items())):
+        if name.endswith("norm.weight"):
+            values[name] = jnp.ones(value.shape, value.dtype)
+        elif name.endswith("e_score_correction_bias"):
+            values[name] = jnp.zeros(value.shape, value.dtype)
+        else:
+            values[name] = normal(jax.random.fold_in(key, i), tuple(value.shape), value.dtype)
+    tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+    def fill(node: dict, prefix: str = "") -> dict:
+        return {k: fill(v, f"{prefix}{k}.") if isinstance(v, dict) else values[f"{prefix}{k}"] for k, v in node.items()}
+
+    nnx.replace_by_pure_dict(state, fill(tree))
+    return nnx.merge(graphdef, state)
