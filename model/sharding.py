@@ -150,3 +150,27 @@ def greedy_tokens(model: nnx.Module, prompt: np.ndarray, count: int, mesh: Mesh 
     for n in range(len(prompt), len(prompt) + count):
         tokens[n] = int(np.argmax(prompt_logits(model, tokens, mesh)[n - 1]))
     return tokens[len(prompt):].tolist()
+
+
+def bytes_per_device(cfg, tensor: int, expert: int) -> int:
+    """Parameter bytes one device holds on a (tensor, expert) mesh, from the shapes and RULES alone
+    (the largest shard where a dim does not split evenly)."""
+    from model.transformer import DeepseekModel  # here, not at the top: model.layers imports this module
+
+    class _Shape:  # param_spec needs only the mesh's axis sizes
+        shape = {TENSOR: tensor, EXPERT: expert}
+
+    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
+    total = 0
+    for name, value in _flat_leaves(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))).items():
+        spec = param_spec(name, value.shape, _Shape)
+        shard = [dim // (_Shape.shape[axis] if axis else 1) for dim, axis in zip(value.shape, tuple(spec) + (None,) * 8)]
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+    return total
+
+
+def _flat_leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out

@@ -43,6 +43,25 @@ def test_sharded_model_matches_one_device(tmp_path, case):
     assert len(set(report["single_tokens"])) > 1  # not a degenerate repeat of one token
 
 
+def test_bytes_per_device_follows_the_rules():
+    """The README's memory table comes from this: whole model on one device, each split as RULES say."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from model.config import preset
+    from model.sharding import bytes_per_device
+    from model.weights import init_model
+    cfg = preset("tiny")
+    model = init_model(cfg)
+    whole = sum(np.asarray(v).nbytes for v in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    assert bytes_per_device(cfg, 1, 1) == whole
+    routed = sum(np.asarray(layer.mlp.gate_proj[...]).nbytes * 3 for layer in model.layers if hasattr(layer.mlp, "router"))
+    # tensor=2 halves everything but norms, the latent projections, router and q_a; expert=4 quarters the routed experts.
+    assert bytes_per_device(cfg, 1, 4) == whole - routed + routed // 4
+    assert whole / 2 < bytes_per_device(cfg, 2, 1) < whole * 0.6
+
+
 def _check(case: str, tmp: Path) -> dict:
     import jax
     import numpy as np
