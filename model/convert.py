@@ -286,7 +286,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
     with tqdm(total=sum(leaf.nbytes for leaf in leaves.values()), desc="convert", unit="B", unit_scale=True,
               disable=not progress) as bar:
         handler = ocp.PyTreeCheckpointHandler(
-            type_handler_registry=create_type_handler_registry((Streamed, StreamedHandler(bar, lines))))
+            type_handler_registry=create_type_handler_registry((Streamed, StreamedHandler(bar, lines))),
+            # One zarr array per tensor, not one OCDBT database: OCDBT's writer held memory in
+            # proportion to everything written (300 MiB for a 1.2 GiB checkpoint, 122 MiB without).
+            use_ocdbt=False)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(out / "params", _nest(target, leaves))
     digest = combine_digest(lines)
