@@ -155,7 +155,8 @@ def main() -> None:
                            [[mib(size), len(tensors), mib(largest), mib(report["peak_growth"]),
                              f"{report['seconds']:.1f}"]])
     print(table)
-    update_section("Converter memory (convert_memory)", f"""Command: `python -m bench.convert_memory --layers {args.layers} --experts {args.experts}`
+    command = f"python -m bench.convert_memory --layers {args.layers} --experts {args.experts}"
+    update_section("Converter memory (convert_memory)", f"""Command: `{command}`
 
 Machine: {results['machine']}. A synthetic checkpoint in DeepSeek-V3's published layout ({args.layers} layers,
 {args.experts} routed experts as per-expert tensors, FP8 block-scaled attention projections, bf16 elsewhere, 3

@@ -120,7 +120,8 @@ def write_section(results: dict) -> None:
         [[s["tokens"], s["top_k"], ms_per_token(s["routed_s"], s["tokens"]),
           f"{s['routed_s'] / base['routed_s']:.2f}" if base else "-"] for s in sweep])
     shape = results["shape"]
-    flags = (f"--tokens {' '.join(map(str, command['tokens']))} --top-k-sweep {' '.join(map(str, command['top_k_sweep']))}"
+    flags = (f"--tokens {' '.join(map(str, command['tokens']))}"
+             f" --top-k-sweep {' '.join(map(str, command['top_k_sweep']))}"
              f" --sweep-tokens {command['sweep_tokens']} --repeats {command['repeats']} --dtype {command['dtype']}")
     update_section("Routed MoE (moe_bench)", f"""Command: `python -m bench.moe_bench {flags}`
 

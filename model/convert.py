@@ -35,8 +35,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from flax import nnx
-from orbax.checkpoint._src.serialization.type_handler_registry import create_type_handler_registry
-from orbax.checkpoint._src.serialization.type_handlers import NumpyHandler
 from tqdm import tqdm
 
 from model.config import ModelConfig, from_hf_config
@@ -198,7 +196,7 @@ class Streamed:
         self.nbytes, self.chunk_rows = self.size * self.dtype.itemsize, chunk_rows
 
 
-class StreamedHandler(NumpyHandler):
+class StreamedHandler(ocp.type_handlers.NumpyHandler):
     """Writes `Streamed` leaves one at a time (orbax starts every leaf's write at once), each as
     zarr chunks of whole pieces, hashing the bytes as they pass."""
 
@@ -280,13 +278,15 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
     leaves = {}
     for path, want in expected.items():
         row_bytes = max(1, int(np.prod(want.shape[1:], dtype=np.int64)) * np.dtype(want.dtype).itemsize)
-        rows = 1 if path.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")) else max(1, CHUNK_BYTES // row_bytes)
-        leaves[path] = Streamed(path, want.shape, want.dtype, sources[path], min(rows, max(1, want.shape[0] if want.shape else 1)))
+        routed = path.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # one expert per chunk
+        rows = min(1 if routed else max(1, CHUNK_BYTES // row_bytes), want.shape[0])
+        leaves[path] = Streamed(path, want.shape, want.dtype, sources[path], rows)
     lines: dict[str, bytes] = {}
     with tqdm(total=sum(leaf.nbytes for leaf in leaves.values()), desc="convert", unit="B", unit_scale=True,
               disable=not progress) as bar:
+        registry = ocp.type_handlers.create_type_handler_registry((Streamed, StreamedHandler(bar, lines)))
         handler = ocp.PyTreeCheckpointHandler(
-            type_handler_registry=create_type_handler_registry((Streamed, StreamedHandler(bar, lines))),
+            type_handler_registry=registry,
             # One zarr array per tensor, not one OCDBT database: OCDBT's writer held memory in
             # proportion to everything written (300 MiB for a 1.2 GiB checkpoint, 122 MiB without).
             use_ocdbt=False)

@@ -56,7 +56,7 @@ def make_mesh(tensor: int, expert: int, devices: list | None = None) -> Mesh:
     return Mesh(np.asarray(devices[: tensor * expert]).reshape(tensor, expert), (TENSOR, EXPERT))
 
 
-def param_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+def param_spec(name: str, shape: tuple[int, ...], mesh: Mesh | jax.sharding.AbstractMesh) -> P:
     """The partition of one parameter; an axis that does not divide its dim is dropped."""
     for pattern, axes in RULES:
         if re.search(pattern, name):
@@ -153,24 +153,14 @@ def greedy_tokens(model: nnx.Module, prompt: np.ndarray, count: int, mesh: Mesh 
 
 
 def bytes_per_device(cfg, tensor: int, expert: int) -> int:
-    """Parameter bytes one device holds on a (tensor, expert) mesh, from the shapes and RULES alone
-    (the largest shard where a dim does not split evenly)."""
+    """Parameter bytes one device holds on a (tensor, expert) mesh, from the shapes and RULES alone."""
     from model.transformer import DeepseekModel  # here, not at the top: model.layers imports this module
 
-    class _Shape:  # param_spec needs only the mesh's axis sizes
-        shape = {TENSOR: tensor, EXPERT: expert}
-
-    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
+    mesh = jax.sharding.AbstractMesh((tensor, expert), (TENSOR, EXPERT))
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0))), nnx.Param))
     total = 0
-    for name, value in _flat_leaves(nnx.to_pure_dict(nnx.state(abstract, nnx.Param))).items():
-        spec = param_spec(name, value.shape, _Shape)
-        shard = [dim // (_Shape.shape[axis] if axis else 1) for dim, axis in zip(value.shape, tuple(spec) + (None,) * 8)]
+    for name, value in zip(jax.tree.leaves(_flat_names(params)), jax.tree.leaves(params)):
+        spec = tuple(param_spec(name, value.shape, mesh)) + (None,) * value.ndim
+        shard = [dim // (mesh.shape[axis] if axis else 1) for dim, axis in zip(value.shape, spec)]
         total += int(np.prod(shard, dtype=np.int64)) * np.dtype(value.dtype).itemsize
     return total
-
-
-def _flat_leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        out.update(_flat_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return out

@@ -27,6 +27,7 @@ def test_converter_streams_with_memory_bounded_by_the_largest_tensor(tmp_path):
     assert loaded.weights_digest == report["digest"] == weights_digest(loaded.model)
     hf = SafetensorsDir(tmp_path / "hf")
     moe = loaded.model.layers[2].mlp
-    np.testing.assert_array_equal(np.asarray(moe.up_proj[...][37]), hf.get("model.layers.2.mlp.experts.37.up_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(moe.up_proj[...][37]),
+                                  hf.get("model.layers.2.mlp.experts.37.up_proj.weight").T)
     q_b = hf.get("model.layers.3.self_attn.q_b_proj.weight").T.astype(ml_dtypes.bfloat16)  # FP8, dequantised
     np.testing.assert_array_equal(np.asarray(loaded.model.layers[3].attn.q_b_proj.kernel[...]), q_b)

@@ -56,8 +56,9 @@ def test_bytes_per_device_follows_the_rules():
     model = init_model(cfg)
     whole = sum(np.asarray(v).nbytes for v in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     assert bytes_per_device(cfg, 1, 1) == whole
-    routed = sum(np.asarray(layer.mlp.gate_proj[...]).nbytes * 3 for layer in model.layers if hasattr(layer.mlp, "router"))
-    # tensor=2 halves everything but norms, the latent projections, router and q_a; expert=4 quarters the routed experts.
+    routed = sum(np.asarray(layer.mlp.gate_proj[...]).nbytes * 3
+                 for layer in model.layers if hasattr(layer.mlp, "router"))
+    # tensor=2 halves all but norms, latent projections, router and q_a; expert=4 quarters the routed experts.
     assert bytes_per_device(cfg, 1, 4) == whole - routed + routed // 4
     assert whole / 2 < bytes_per_device(cfg, 2, 1) < whole * 0.6
 
