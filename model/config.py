@@ -185,11 +185,12 @@ def from_hf_config(hf: dict[str, Any], name: str = "converted", **overrides: Any
         moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
         first_k_dense=(hf.get("first_k_dense_replace") or 0) if n_routed else hf["num_hidden_layers"],
         n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", hf.get("model_type") != "deepseek_v2")),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        scoring_func="sigmoid" if hf.get("model_type") == "deepseek_v3" else hf.get("scoring_func", "softmax"),
-        # transformers' DeepseekV3 always routes as noaux_tc, whatever config.json says.
-        topk_method="noaux_tc" if hf.get("model_type") == "deepseek_v3" else hf.get("topk_method", "greedy"),
+        # transformers' DeepseekV3 always routes as noaux_tc on sigmoid scores, whatever config.json says;
+        # V2 configs may carry scoring_func/topk_method as null (transformers' defaults: softmax, greedy).
+        scoring_func="sigmoid" if hf.get("model_type") == "deepseek_v3" else hf.get("scoring_func") or "softmax",
+        topk_method="noaux_tc" if hf.get("model_type") == "deepseek_v3" else hf.get("topk_method") or "greedy",
         rope_theta=float(theta), max_position_embeddings=hf["max_position_embeddings"], rope_scaling=rope,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -1,49 +1,69 @@
-"""Hugging Face DeepSeek-V2/V3 safetensors -> a DeepInfer model directory.
+"""Hugging Face DeepSeek-V2/V3 safetensors -> a DeepInfer model directory, streamed tensor by tensor.
 
-Reads tensors by memory-mapping the safetensors files (FP8 block-quantised weights with
-`weight_scale_inv` are dequantised), maps HF parameter names onto ours, checks every shape,
-skips multi-token-prediction layers, and saves with orbax through `model.weights.save_model`.
+Every parameter is read, converted (transposed to (in, out), split, cast), hashed and written into
+the orbax checkpoint on its own, one at a time; the routed experts, stacked (E, D, I) in our layout,
+one expert at a time. Reads are `pread`s into fresh buffers, not memory maps, so no file page ever
+counts against this process. Peak host memory is the largest non-expert tensor (read once and
+transposed once) or one expert's matrix, plus tensorstore's write buffers; tests/test_model_convert.py
+measures it. Every HF tensor's shape is checked from the headers before anything is written.
+
+FP8 block-scaled weights (DeepSeek-V3's e4m3 with `weight_scale_inv` per 128x128 tile) are
+dequantised per tensor, as they stream, to the model's param dtype (bf16 unless overridden).
+Why not keep FP8 and dequantise inside the matmul: that needs block-scaled FP8 matmuls, which XLA
+has on no backend this project runs (XLA:CPU has none, and XLA:GPU's FP8 dots take per-tensor
+scales, not 128x128 tiles), so it would dequantise whole tensors at every step instead. Accuracy:
+e4m3 x fp32 scale rounded to bf16 is within half a bf16 ulp (2^-9 relative) of the exact product,
+the same rounding the bf16 compute applies anyway. The cost is memory: V3 in bf16 is 1.34 TB of
+weights against 0.67 TB in FP8, twice the devices (README "Real models"). FP8 storage with a
+Pallas/Triton block-scaled matmul is the way to halve that, behind `Linear` and `grouped_swiglu`.
+
+Multi-token-prediction layers (past num_hidden_layers) are skipped.
 """
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
 from flax import nnx
 from tqdm import tqdm
 
 from model.config import ModelConfig, from_hf_config
 from model.transformer import DeepseekModel
-from model.weights import LoadedModel, save_model
+from model.weights import combine_digest, tensor_line, write_identity
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 FP8_BLOCK = 128  # DeepSeek-V3's weight_scale_inv covers 128 x 128 tiles
+CHUNK_BYTES = 64 << 20  # zarr chunk of a non-expert tensor (rows); an expert is one chunk
 
 
 class SafetensorsDir:
-    """Every tensor of a directory of *.safetensors files, memory-mapped, by name."""
+    """Every tensor of a directory of *.safetensors files, by name, read on demand."""
 
     def __init__(self, path: Path):
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors files")
-        self._where: dict[str, tuple[Path, str, list[int], int, int]] = {}
+        self._where: dict[str, tuple[Path, str, tuple[int, ...], int]] = {}
         for file in files:
             with open(file, "rb") as f:
                 (header_len,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(header_len))
             for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = entry["data_offsets"]
-                self._where[name] = (file, entry["dtype"], entry["shape"], 8 + header_len + begin, end - begin)
+                if name != "__metadata__":
+                    self._where[name] = (file, entry["dtype"], tuple(entry["shape"]),
+                                         8 + header_len + entry["data_offsets"][0])
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -51,30 +71,66 @@ class SafetensorsDir:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def get(self, name: str) -> np.ndarray:
+    def _locate(self, name: str) -> tuple[Path, str, tuple[int, ...], int]:
         if name not in self._where:
             raise KeyError(name)
-        file, dtype, shape, offset, nbytes = self._where[name]
+        file, dtype, shape, offset = self._where[name]
         if dtype not in _DTYPES:
             raise ValueError(f"tensor {name}: unsupported safetensors dtype {dtype}")
-        array = np.memmap(file, dtype=_DTYPES[dtype], mode="r", offset=offset, shape=tuple(shape))
+        return file, dtype, shape, offset
+
+    def shape_only(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """A stand-in of the right shape and dtype that holds no memory (for checking shapes)."""
+        _, dtype, shape, _ = self._locate(name)
+        if lo is not None:
+            shape = (hi - lo, *shape[1:])
+        fp8 = dtype.startswith("F8") and name + "_scale_inv" in self._where
+        return np.broadcast_to(np.zeros((), np.float32 if fp8 else _DTYPES[dtype]), shape)
+
+    def get(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """The tensor, or its rows [lo, hi) along the first axis, as a fresh array; FP8 with a
+        `_scale_inv` companion comes back dequantised to float32."""
+        file, dtype, shape, offset = self._locate(name)
+        element = np.dtype(_DTYPES[dtype])
+        row = int(np.prod(shape[1:], dtype=np.int64)) * element.itemsize
+        lo, hi = (0, shape[0] if shape else 1) if lo is None else (lo, hi)
+        out_shape = (hi - lo, *shape[1:]) if shape else ()
+        array = np.empty(out_shape, element)
+        with open(file, "rb") as f:
+            done, view = 0, memoryview(array.reshape(-1).view(np.uint8))
+            while done < view.nbytes:
+                done += os.preadv(f.fileno(), [view[done:]], offset + lo * row + done)
         scale_name = name + "_scale_inv"
         if dtype.startswith("F8") and scale_name in self._where:
-            return _dequantize_fp8(array, self.get(scale_name))
+            if array.ndim != 2 or lo % FP8_BLOCK:
+                raise ValueError(f"tensor {name}: FP8 reads must be 2-D and start on a {FP8_BLOCK}-row tile")
+            return _dequantize_fp8(array, self.get(scale_name)[lo // FP8_BLOCK:])
         return array
 
 
 def _dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """float32 (rows, cols), one 128-row tile at a time (no full-size scale array)."""
     rows, cols = w.shape
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
-    return w.astype(np.float32) * scale
+    out = np.empty((rows, cols), np.float32)
+    for tile, begin in enumerate(range(0, rows, FP8_BLOCK)):
+        scale_C = np.repeat(scale_inv[tile].astype(np.float32), FP8_BLOCK)[:cols]  # (cols,)
+        np.multiply(w[begin:begin + FP8_BLOCK].astype(np.float32), scale_C, out=out[begin:begin + FP8_BLOCK])
+    return out
 
 
-def _hf_name_map(cfg: ModelConfig, hf: SafetensorsDir) -> dict[str, callable]:
-    """Our flat parameter name -> a thunk producing it from HF tensors (transposed to (in, out))."""
+Reader = Callable[..., np.ndarray]  # (hf name, lo=None, hi=None) -> array
+Pieces = Callable[[], Iterator[np.ndarray]]  # consecutive blocks along our first axis
+
+
+def _whole(make: Callable[[], np.ndarray]) -> Pieces:
+    return lambda: iter([make()])
+
+
+def _sources(cfg: ModelConfig, hf: SafetensorsDir, read: Reader) -> dict[str, Pieces]:
+    """Our flat parameter name -> its pieces, made from HF tensors (transposed to (in, out))."""
     N, H, V = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    t = lambda name: lambda: np.asarray(hf.get(name)).T  # noqa: E731
-    same = lambda name: lambda: np.asarray(hf.get(name))  # noqa: E731
+    t = lambda name: _whole(lambda: read(name).T)  # noqa: E731
+    same = lambda name: _whole(lambda: read(name))  # noqa: E731
     lm_head = "lm_head.weight" if "lm_head.weight" in hf or not cfg.tie_word_embeddings else "model.embed_tokens.weight"
     out = {"embed": same("model.embed_tokens.weight"), "head.norm.weight": same("model.norm.weight"),
            "head.lm_head.kernel": t(lm_head)}
@@ -93,13 +149,13 @@ def _hf_name_map(cfg: ModelConfig, hf: SafetensorsDir) -> dict[str, callable]:
         out[dst + "attn.kv_a_norm.weight"] = same(a + "kv_a_layernorm.weight")
 
         def kv_b(part: str, a: str = a) -> np.ndarray:
-            w = np.asarray(hf.get(a + "kv_b_proj.weight"))  # (N*(H+V), C)
+            w = read(a + "kv_b_proj.weight")  # (N*(H+V), C)
             w_NXC = w.reshape(N, H + V, w.shape[-1])
             chosen = w_NXC[:, :H] if part == "k" else w_NXC[:, H:]
             return chosen.transpose(2, 0, 1)  # (C, N, H|V)
 
-        out[dst + "attn.w_uk"] = lambda kv_b=kv_b: kv_b("k")
-        out[dst + "attn.w_uv"] = lambda kv_b=kv_b: kv_b("v")
+        out[dst + "attn.w_uk"] = _whole(lambda kv_b=kv_b: kv_b("k"))
+        out[dst + "attn.w_uv"] = _whole(lambda kv_b=kv_b: kv_b("v"))
         out[dst + "attn.o_proj.kernel"] = t(a + "o_proj.weight")
         m = src + "mlp."
         if not cfg.is_moe_layer(i):
@@ -109,37 +165,98 @@ def _hf_name_map(cfg: ModelConfig, hf: SafetensorsDir) -> dict[str, callable]:
         out[dst + "mlp.router"] = same(m + "gate.weight")
         bias = m + "gate.e_score_correction_bias"
         out[dst + "mlp.e_score_correction_bias"] = (
-            same(bias) if bias in hf else lambda E=cfg.n_routed_experts: np.zeros((E,), np.float32))
+            same(bias) if bias in hf else _whole(lambda E=cfg.n_routed_experts: np.zeros((E,), np.float32)))
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[dst + f"mlp.{proj}"] = lambda proj=proj, m=m: _experts(hf, m, proj, cfg)
+            out[dst + f"mlp.{proj}"] = lambda proj=proj, m=m: _experts(hf, read, m, proj, cfg)
             if cfg.n_shared_experts:
                 out[dst + f"mlp.shared.{proj}.kernel"] = t(m + f"shared_experts.{proj}.weight")
     return out
 
 
-def _experts(hf: SafetensorsDir, m: str, proj: str, cfg: ModelConfig) -> np.ndarray:
-    """Stacked expert weights: gate/up (E, D, I), down (E, I, D); from per-expert or fused HF tensors."""
+def _experts(hf: SafetensorsDir, read: Reader, m: str, proj: str, cfg: ModelConfig) -> Iterator[np.ndarray]:
+    """One expert at a time, (1, D, I) for gate/up and (1, I, D) for down; from per-expert or fused tensors."""
     I = cfg.moe_intermediate_size
-    if m + "experts.gate_up_proj" in hf:  # transformers v5 fused layout
-        if proj == "down_proj":
-            return np.asarray(hf.get(m + "experts.down_proj")).transpose(0, 2, 1)  # (E, D, I) -> (E, I, D)
-        fused = np.asarray(hf.get(m + "experts.gate_up_proj"))  # (E, 2I, D)
-        half = fused[:, :I] if proj == "gate_proj" else fused[:, I:]
-        return half.transpose(0, 2, 1)
-    return np.stack([np.asarray(hf.get(m + f"experts.{e}.{proj}.weight")).T for e in range(cfg.n_routed_experts)])
+    for e in range(cfg.n_routed_experts):
+        if m + "experts.gate_up_proj" in hf:  # transformers v5 fused layout
+            if proj == "down_proj":
+                yield read(m + "experts.down_proj", e, e + 1).transpose(0, 2, 1)  # (1, D, I) -> (1, I, D)
+            else:
+                fused = read(m + "experts.gate_up_proj", e, e + 1)  # (1, 2I, D)
+                yield (fused[:, :I] if proj == "gate_proj" else fused[:, I:]).transpose(0, 2, 1)
+        else:
+            yield read(m + f"experts.{e}.{proj}.weight").T[None]
 
 
-def _flat_names(tree: dict, prefix: str = "") -> list[str]:
-    names = []
+class Streamed:
+    """A checkpoint leaf written piece by piece by `StreamedHandler` (orbax sees an np.ndarray)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype, pieces: Pieces, chunk_rows: int):
+        self.name, self.shape, self.dtype, self.pieces = name, tuple(shape), np.dtype(dtype), pieces
+        self.ndim, self.size = len(self.shape), int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes, self.chunk_rows = self.size * self.dtype.itemsize, chunk_rows
+
+
+class StreamedHandler(ocp.type_handlers.NumpyHandler):
+    """Writes `Streamed` leaves one at a time (orbax starts every leaf's write at once), each as
+    zarr chunks of whole pieces, hashing the bytes as they pass."""
+
+    def __init__(self, bar: tqdm, lines: dict[str, bytes]):
+        super().__init__(deepcopy_host_arrays=False)
+        self.bar, self.lines = bar, lines
+        self._one_at_a_time: asyncio.Lock | None = None
+
+    async def _open_and_write(self, value: Streamed, tspec: dict, ts_context: ts.Context) -> None:
+        self._one_at_a_time = self._one_at_a_time or asyncio.Lock()
+        async with self._one_at_a_time:
+            tspec["metadata"]["chunks"] = (value.chunk_rows, *value.shape[1:])
+            store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+            digest, row = hashlib.sha256(), 0
+            for piece in value.pieces():
+                piece = np.ascontiguousarray(piece, dtype=value.dtype)
+                digest.update(piece.reshape(-1).view(np.uint8))
+                await store[row:row + piece.shape[0]].write(piece, can_reference_source_data_indefinitely=True)
+                row += piece.shape[0]
+                self.bar.update(piece.nbytes)
+                del piece
+            self.lines[value.name] = tensor_line(value.name, value.shape, value.dtype, digest.hexdigest())
+
+
+class Converted(NamedTuple):
+    path: Path
+    config: ModelConfig
+    fingerprint: str
+    weights_digest: str
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
     for key, value in tree.items():
         name = f"{prefix}.{key}" if prefix else str(key)
-        names.extend(_flat_names(value, name) if isinstance(value, dict) else [name])
-    return names
+        out.update(_flat(value, name) if isinstance(value, dict) else {name: value})
+    return out
+
+
+def _nest(tree: dict, leaves: dict, prefix: str = "") -> dict:
+    return {key: _nest(value, leaves, f"{prefix}{key}.") if isinstance(value, dict) else leaves[f"{prefix}{key}"]
+            for key, value in tree.items()}
+
+
+def _check_shapes(hf_dir: Path, hf: SafetensorsDir, cfg: ModelConfig, expected: dict) -> None:
+    """Every tensor we need exists and has the right shape, from the headers alone."""
+    checks = _sources(cfg, hf, hf.shape_only)
+    for path, want in expected.items():
+        try:
+            pieces = list(checks[path]())
+        except KeyError as missing:
+            raise ValueError(f"{hf_dir}: tensor {missing.args[0]} (for {path}) is missing") from None
+        got = (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]) if pieces[0].ndim else ()
+        if any(p.shape[1:] != pieces[0].shape[1:] for p in pieces) or tuple(got) != tuple(want.shape):
+            raise ValueError(f"{hf_dir}: tensor for {path} has shape {tuple(got)}, expected {tuple(want.shape)}")
 
 
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None = None,
-            progress: bool = True, **overrides) -> LoadedModel:
-    hf_dir = Path(hf_dir)
+            progress: bool = True, **overrides) -> Converted:
+    hf_dir, out = Path(hf_dir), Path(out).absolute()
     config_path = hf_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{hf_dir}: config.json is missing")
@@ -148,35 +265,33 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
         overrides["param_dtype"] = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
     cfg = from_hf_config(hf_config, name=name or hf_dir.name, **overrides)
-    tensors = SafetensorsDir(hf_dir)
-    thunks = _hf_name_map(cfg, tensors)
+    hf = SafetensorsDir(hf_dir)
 
-    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
-    graphdef, state = nnx.split(abstract)
-    target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    shapes = {}
+    target = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0))), nnx.Param))
+    expected = _flat(target)
+    _check_shapes(hf_dir, hf, cfg, expected)
+    if (out / "params").exists():
+        raise FileExistsError(f"{out} already holds a model; choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
 
-    def fill(tree: dict, prefix: str = "") -> dict:
-        filled = {}
-        for key, value in tree.items():
-            path = f"{prefix}.{key}" if prefix else str(key)
-            if isinstance(value, dict):
-                filled[key] = fill(value, path)
-                continue
-            try:
-                array = thunks[path]()
-            except KeyError as missing:
-                raise ValueError(f"{hf_dir}: tensor {missing.args[0]} (for {path}) is missing") from None
-            if tuple(array.shape) != tuple(value.shape):
-                raise ValueError(f"{hf_dir}: tensor for {path} has shape {tuple(array.shape)}, "
-                                 f"expected {tuple(value.shape)}")
-            filled[key] = jnp.asarray(np.asarray(array, dtype=value.dtype))  # a device array, C order
-            shapes[path] = array.shape
-            bar.update()
-        return filled
-
-    bar = tqdm(total=len(_flat_names(target)), desc="convert", unit="tensor", disable=not progress)
-    params = fill(target)
-    bar.close()
-    nnx.replace_by_pure_dict(state, params)
-    return save_model(nnx.merge(graphdef, state), cfg, out)
+    sources = _sources(cfg, hf, hf.get)
+    leaves = {}
+    for path, want in expected.items():
+        row_bytes = max(1, int(np.prod(want.shape[1:], dtype=np.int64)) * np.dtype(want.dtype).itemsize)
+        routed = path.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # one expert per chunk
+        rows = min(1 if routed else max(1, CHUNK_BYTES // row_bytes), want.shape[0])
+        leaves[path] = Streamed(path, want.shape, want.dtype, sources[path], rows)
+    lines: dict[str, bytes] = {}
+    with tqdm(total=sum(leaf.nbytes for leaf in leaves.values()), desc="convert", unit="B", unit_scale=True,
+              disable=not progress) as bar:
+        registry = ocp.type_handlers.create_type_handler_registry((Streamed, StreamedHandler(bar, lines)))
+        handler = ocp.PyTreeCheckpointHandler(
+            type_handler_registry=registry,
+            # One zarr array per tensor, not one OCDBT database: OCDBT's writer held memory in
+            # proportion to everything written (300 MiB for a 1.2 GiB checkpoint, 122 MiB without).
+            use_ocdbt=False)
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(out / "params", _nest(target, leaves))
+    digest = combine_digest(lines)
+    shapes = {path: list(want.shape) for path, want in expected.items()}
+    return Converted(out, cfg, write_identity(out, cfg, digest, shapes), digest)

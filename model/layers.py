@@ -1,4 +1,5 @@
-"""Feed-forward blocks of a DeepSeek decoder layer: RMSNorm, dense SwiGLU, and the routed MoE."""
+"""Feed-forward blocks of a DeepSeek decoder layer: RMSNorm, dense SwiGLU, and the MoE (router, routed
+experts from model/experts.py, shared experts)."""
 from __future__ import annotations
 
 import jax
@@ -9,6 +10,8 @@ from flax import nnx
 from typing import NamedTuple
 
 from model.config import ModelConfig
+from model.experts import routed_experts
+from model.sharding import expert_parallel
 
 INIT_STD = 0.02  # DeepSeek's initializer_range
 
@@ -112,22 +115,10 @@ class MoE(nnx.Module):
         return weights_TK * cfg.routed_scaling_factor, ids_TK
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
-        T = x_TD.shape[0]
-        E, K = self.spec.n_experts, self.spec.top_k
         weights_TK, ids_TK = self.route(x_TD)
-        if T * K < E:
-            # Few tokens (decode): read only the chosen experts' weights.
-            g_TKDI, u_TKDI = self.gate_proj[...][ids_TK], self.up_proj[...][ids_TK]
-            h_TKI = jax.nn.silu(jnp.einsum("td,tkdi->tki", x_TD, g_TKDI)) * jnp.einsum("td,tkdi->tki", x_TD, u_TKDI)
-            y_TKD = jnp.einsum("tki,tkid->tkd", h_TKI, self.down_proj[...][ids_TK])
-            routed_TD = jnp.einsum("tk,tkd->td", weights_TK.astype(x_TD.dtype), y_TKD)
-        else:
-            # Many tokens (prefill): every expert on every token, combined with zero weight where unrouted.
-            weights_TE = (jax.nn.one_hot(ids_TK, E, dtype=jnp.float32) * weights_TK[..., None]).sum(1)
-            h_TEI = (jax.nn.silu(jnp.einsum("td,edi->tei", x_TD, self.gate_proj[...]))
-                     * jnp.einsum("td,edi->tei", x_TD, self.up_proj[...]))
-            y_TED = jnp.einsum("tei,eid->ted", h_TEI, self.down_proj[...])
-            routed_TD = jnp.einsum("te,ted->td", weights_TE.astype(x_TD.dtype), y_TED)
+        # On a mesh with an "expert" axis each device runs only its own experts (model/sharding.py).
+        routed_TD = expert_parallel(routed_experts, x_TD, weights_TK, ids_TK, self.gate_proj[...],
+                                    self.up_proj[...], self.down_proj[...])
         if self.shared is not None:
             routed_TD = routed_TD + self.shared(x_TD)
         return routed_TD

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from model.config import ModelConfig
+from model.sharding import param_shardings
 from model.transformer import DeepseekModel
 
 
@@ -40,14 +43,23 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, jax.Array]:
     return out
 
 
+def tensor_line(name: str, shape: tuple[int, ...], dtype, sha256_hex: str) -> bytes:
+    """One tensor's entry in the weights digest: its name, shape, dtype and the sha256 of its C-order bytes."""
+    return f"{name}:{tuple(shape)}:{np.dtype(dtype)}:{sha256_hex}\n".encode()
+
+
+def combine_digest(lines: dict[str, bytes]) -> str:
+    return hashlib.sha256(b"".join(lines[name] for name in sorted(lines))).hexdigest()
+
+
 def weights_digest(model: DeepseekModel) -> str:
-    """sha256 over every parameter's name, shape, dtype and bytes, in name order."""
-    digest = hashlib.sha256()
-    for name, value in sorted(_flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()):
-        array = np.asarray(value)
-        digest.update(f"{name}:{array.shape}:{array.dtype}".encode())
-        digest.update(np.ascontiguousarray(array).view(np.uint8).tobytes())
-    return digest.hexdigest()
+    """sha256 over every parameter's `tensor_line`, in name order. Hashing each tensor on its own
+    lets the streaming converter hash tensors in whatever order it writes them."""
+    lines = {}
+    for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
+        array = np.ascontiguousarray(np.asarray(value))
+        lines[name] = tensor_line(name, array.shape, array.dtype, hashlib.sha256(array.view(np.uint8)).hexdigest())
+    return combine_digest(lines)
 
 
 def init_model(cfg: ModelConfig, progress: bool = False) -> DeepseekModel:
@@ -68,15 +80,23 @@ def save_model(model: DeepseekModel, cfg: ModelConfig, out: str | os.PathLike) -
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / "params", params)
     shapes = {name: list(np.shape(v)) for name, v in _flat(params).items()}
+    return LoadedModel(model, cfg, write_identity(out, cfg, digest, shapes), digest)
+
+
+def write_identity(out: Path, cfg: ModelConfig, digest: str, shapes: dict[str, list[int]]) -> str:
+    """config.json and meta.json of a model directory; returns the fingerprint."""
     fingerprint = cfg.fingerprint(digest)
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2))
     (out / "meta.json").write_text(json.dumps({"weights_digest": digest, "fingerprint": fingerprint,
                                                "shapes": shapes}, indent=2))
-    return LoadedModel(model, cfg, fingerprint, digest)
+    return fingerprint
 
 
-def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
-    """Restores a saved model; a missing or misshapen tensor fails naming the tensor."""
+def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -> LoadedModel:
+    """Restores a saved model; a missing or misshapen tensor fails naming the tensor.
+
+    With a mesh, every parameter is read straight into its shards (orbax restores each device's
+    slice of each tensor), never whole on one device; see model/sharding.py for the layout."""
     path = Path(path).absolute()
     for needed in ("config.json", "meta.json", "params"):
         if not (path / needed).exists():
@@ -95,10 +115,14 @@ def load_model(path: str | os.PathLike, **overrides) -> LoadedModel:
                 raise ValueError(f"checkpoint {path}: tensor {name} is missing")
             if stored[name] != shape:
                 raise ValueError(f"checkpoint {path}: tensor {name} has shape {stored[name]}, expected {shape}")
+        if mesh is not None:
+            target = jax.tree.map(lambda value, sharding: jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                                                               sharding=sharding),
+                                  target, param_shardings(target, mesh))
         restored = checkpointer.restore(path / "params", target)
     # orbax hands back what was saved: numpy arrays for a converted model. As jit arguments those
     # would be copied to the device on every call, so place every parameter on the device once.
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, restored))
+    nnx.replace_by_pure_dict(state, restored if mesh is not None else jax.tree.map(jnp.asarray, restored))
     model = nnx.merge(graphdef, state)
     digest = meta["weights_digest"]
     if cfg.param_dtype != saved_cfg.param_dtype:
@@ -114,3 +138,32 @@ def read_identity(path: str | os.PathLike, cache_dtype: str | None = None) -> tu
         cfg = cfg.replace(cache_dtype=cache_dtype)
     digest = json.loads((path / "meta.json").read_text())["weights_digest"]
     return cfg, cfg.fingerprint(digest)
+
+
+def init_on_device(cfg: ModelConfig, seed: int = 0) -> DeepseekModel:
+    """Random weights drawn with jax.random where they live (no host copy, fast on an accelerator):
+    N(0, 0.02) matrices, unit norms, zero router bias. Not the bytes of `init_model`; for benchmarks."""
+    abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    names = _flat(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    key = jax.random.key(seed)
+
+    @partial(jax.jit, static_argnums=(1, 2))
+    def normal(key, shape, dtype):
+        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+    values = {}
+    for i, (name, value) in enumerate(sorted(names.items())):
+        if name.endswith("norm.weight"):
+            values[name] = jnp.ones(value.shape, value.dtype)
+        elif name.endswith("e_score_correction_bias"):
+            values[name] = jnp.zeros(value.shape, value.dtype)
+        else:
+            values[name] = normal(jax.random.fold_in(key, i), tuple(value.shape), value.dtype)
+    tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+    def fill(node: dict, prefix: str = "") -> dict:
+        return {k: fill(v, f"{prefix}{k}.") if isinstance(v, dict) else values[f"{prefix}{k}"] for k, v in node.items()}
+
+    nnx.replace_by_pure_dict(state, fill(tree))
+    return nnx.merge(graphdef, state)

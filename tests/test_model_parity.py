@@ -1,8 +1,9 @@
-"""Our JAX model equals transformers' DeepseekV3ForCausalLM on the same (converted) random weights."""
+"""Our JAX model equals transformers' DeepseekV3ForCausalLM and DeepseekV2ForCausalLM on the same (converted)
+random weights: V3 routes sigmoid scores (noaux_tc), V2 softmax scores (greedy or group-limited greedy)."""
 import numpy as np
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from model.convert import convert
 from model.runner import LatentCache, ModelRunner
@@ -15,18 +16,26 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermedia
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16,
             max_position_embeddings=2048, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
             first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+V3, V2 = (DeepseekV3Config, DeepseekV3ForCausalLM), (DeepseekV2Config, DeepseekV2ForCausalLM)
 CASES = {
-    "q_lora+yarn+moe": dict(q_lora_rank=24, rope_parameters=YARN),
-    "no_q_lora+yarn+moe": dict(q_lora_rank=None, rope_parameters=YARN),
-    "q_lora+plain_rope+moe_no_groups": dict(q_lora_rank=24, n_group=1, topk_group=1, num_experts_per_tok=3,
-                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "q_lora+yarn+moe": (V3, dict(q_lora_rank=24, rope_parameters=YARN)),
+    "no_q_lora+yarn+moe": (V3, dict(q_lora_rank=None, rope_parameters=YARN)),
+    "q_lora+plain_rope+moe_no_groups": (V3, dict(q_lora_rank=24, n_group=1, topk_group=1, num_experts_per_tok=3,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # V2: softmax scores, no score correction bias, routing weights scaled but never renormalised.
+    "v2:greedy+q_lora+yarn": (V2, dict(q_lora_rank=24, topk_method="greedy", n_group=1, topk_group=1,
+                                       rope_parameters=YARN)),
+    "v2:group_limited_greedy+no_q_lora+yarn": (V2, dict(q_lora_rank=None, topk_method="group_limited_greedy",
+                                                        n_group=4, topk_group=2, num_experts_per_tok=3,
+                                                        rope_parameters=YARN)),
 }
 
 
 def _reference(tmp_path, case: str):
     torch.manual_seed(sum(map(ord, case)))
-    hf_cfg = DeepseekV3Config(**(BASE | CASES[case]), attn_implementation="eager")
-    ref = DeepseekV3ForCausalLM(hf_cfg).float().eval()
+    (config_class, model_class), overrides = CASES[case]
+    hf_cfg = config_class(**(BASE | overrides), attn_implementation="eager")
+    ref = model_class(hf_cfg).float().eval()
     with torch.no_grad():  # random norms and router bias, sharp attention: a mis-mapped tensor cannot hide
         for name, param in ref.named_parameters():
             if "self_attn" in name and "proj" in name:

@@ -1,0 +1,166 @@
+"""The model's weights over a device mesh: tensor parallel over attention heads and the dense MLP,
+expert parallel over routed experts, the latent cache replicated.
+
+Mesh axes (a `jax.sharding.Mesh` of shape (tensor, expert)):
+- "tensor": attention heads (q_b_proj/q_proj columns, W_UK, W_UV, o_proj rows), the intermediate
+  dim of dense and shared-expert MLPs and of each routed expert, and the vocabulary (embedding rows,
+  LM head columns). XLA (GSPMD) inserts the all-reduces after o_proj and down_proj.
+- "expert": the routed experts. Inside the MoE, `expert_parallel` runs `routed_experts` under
+  `shard_map`: each device sorts the token copies routed to its own experts, runs only those, and the
+  partial sums are added over the mesh (tokens are replicated, so no all-to-all is needed at the
+  batch sizes one engine runs; an all-to-all dispatch can replace the psum behind the same call).
+
+The latent cache is replicated, not split. MLA caches one latent per token per layer, c_kv (512)
+and k_pe (64), shared by every head: there is no head axis to split it along, as a per-head K/V
+cache would be split under tensor parallelism. Each device's heads read the whole latent (W_UK and
+W_UV are split by head, the latent is not). Splitting it by latent dim would make every attention
+score a cross-device sum; splitting it by token (context parallelism) only pays off at context
+lengths where one device cannot hold the cache: 1,152 bytes per token per layer in bf16 is 70 KB
+per token for V3's 61 layers, so 128K tokens is 9 GB per device, replicated. Replication also keeps
+the disk tier unchanged: a block of latents loads into every device as it is stored.
+
+Parameters whose dim does not divide by its axis's size stay replicated on that axis.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+TENSOR, EXPERT = "tensor", "expert"
+
+# (pattern over the flat parameter name, partition of each dim); first match wins, else replicated.
+RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"^embed$", (TENSOR, None)),  # (V, D)
+    (r"\.lm_head\.kernel$", (None, TENSOR)),  # (D, V)
+    (r"\.attn\.(q_b_proj|q_proj)\.kernel$", (None, TENSOR)),  # (Q or D, N*(H+R)): head-major columns
+    (r"\.attn\.(w_uk|w_uv)$", (None, TENSOR, None)),  # (C, N, H|V)
+    (r"\.attn\.o_proj\.kernel$", (TENSOR, None)),  # (N*V, D)
+    (r"\.mlp\.(shared\.)?(gate_proj|up_proj)\.kernel$", (None, TENSOR)),  # (D, I)
+    (r"\.mlp\.(shared\.)?down_proj\.kernel$", (TENSOR, None)),  # (I, D)
+    (r"\.mlp\.(gate_proj|up_proj)$", (EXPERT, None, TENSOR)),  # routed (E, D, I)
+    (r"\.mlp\.down_proj$", (EXPERT, TENSOR, None)),  # routed (E, I, D)
+)
+
+
+def make_mesh(tensor: int, expert: int, devices: list | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor * expert > len(devices):
+        raise ValueError(f"mesh tensor={tensor} x expert={expert} needs {tensor * expert} devices, "
+                         f"{len(devices)} are visible")
+    return Mesh(np.asarray(devices[: tensor * expert]).reshape(tensor, expert), (TENSOR, EXPERT))
+
+
+def param_spec(name: str, shape: tuple[int, ...], mesh: Mesh | jax.sharding.AbstractMesh) -> P:
+    """The partition of one parameter; an axis that does not divide its dim is dropped."""
+    for pattern, axes in RULES:
+        if re.search(pattern, name):
+            kept = [axis if axis is not None and dim % mesh.shape[axis] == 0 else None
+                    for axis, dim in zip(axes, shape)]
+            return P(*kept)
+    return P()
+
+
+def _flat_names(tree: dict, prefix: str = "") -> dict:
+    """Same nesting as `tree`, every leaf replaced by its dotted name."""
+    return {key: _flat_names(value, f"{prefix}{key}.") if isinstance(value, dict) else f"{prefix}{key}"
+            for key, value in tree.items()}
+
+
+def param_shardings(params: dict, mesh: Mesh) -> dict:
+    """A NamedSharding for every leaf of a pure-dict parameter tree (arrays or shape structs)."""
+    names = _flat_names(params)
+    return jax.tree.map(lambda name, value: NamedSharding(mesh, param_spec(name, value.shape, mesh)),
+                        names, params)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Places a model's parameters (in host or device memory) on the mesh, each to its own shards."""
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    placed = jax.tree.map(jax.device_put, params, param_shardings(params, mesh))
+    nnx.replace_by_pure_dict(state, placed)
+    return nnx.merge(graphdef, state)
+
+
+def expert_parallel(routed: Callable, x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID) -> jax.Array:
+    """routed(x, weights, ids, gate, up, down, first=...) over the mesh in context (jax.set_mesh), each
+    device running only its own experts; without a mesh axis "expert", a plain call."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT not in mesh.axis_names:
+        return routed(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID)
+    specs = [param_spec(".mlp." + name, w.shape, mesh)
+             for name, w in (("gate_proj", gate_EDI), ("up_proj", up_EDI), ("down_proj", down_EID))]
+    summed = tuple(axis for axis in (EXPERT, TENSOR) if axis in specs[0] or axis in specs[2])
+    local_experts = gate_EDI.shape[0] // (mesh.shape[EXPERT] if EXPERT in specs[0] else 1)
+
+    def local(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID):
+        first = jax.lax.axis_index(EXPERT) * local_experts if EXPERT in specs[0] else 0
+        part_TD = routed(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID, first=first)
+        return jax.lax.psum(part_TD, summed) if summed else part_TD
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *specs), out_specs=P(),
+                         check_vma=False)(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _prompt_logits(graphdef, state, tokens_T):
+    model = nnx.merge(graphdef, state)
+    T = tokens_T.shape[0]
+    positions_T = jnp.arange(T, dtype=jnp.int32)
+    x_TD = jnp.take(model.embed[...], tokens_T, axis=0)  # (T, D)
+    for layer in model.layers:
+        cache_SA = jnp.zeros((T, layer.attn.kv_lora_rank + layer.attn.rope_dim), layer.attn.cache_dtype)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:
+            cache_SA = jax.lax.with_sharding_constraint(cache_SA, P())  # the latent is replicated
+        q_nope_NTH, q_pe_NTR, cache_SA = layer.project(x_TD, positions_T, cache_SA, jnp.int32(0))
+        x_TD = layer.finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, T, None)
+    return model.head.lm_head(model.head.norm(x_TD)).astype(jnp.float32)  # (T, V)
+
+
+_prompt_logits_jit = jax.jit(_prompt_logits, static_argnums=(0,))
+
+
+def prompt_logits(model: nnx.Module, tokens_T: np.ndarray, mesh: Mesh | None = None) -> np.ndarray:
+    """Logits (T, V) at every position of one prompt, in one jitted pass over a contiguous latent
+    cache (absorbed attention); on `mesh` when given, with the model's weights already placed there.
+    A reference forward for checking sharded against unsharded runs, not the serving path."""
+    graphdef, state = nnx.split(model)
+    tokens_T = jnp.asarray(tokens_T, jnp.int32)
+    if mesh is None:
+        return np.asarray(_prompt_logits_jit(graphdef, state, tokens_T))
+    with jax.set_mesh(mesh):
+        return np.asarray(_prompt_logits_jit(graphdef, state, jax.device_put(tokens_T, replicated(mesh))))
+
+
+def greedy_tokens(model: nnx.Module, prompt: np.ndarray, count: int, mesh: Mesh | None = None) -> list[int]:
+    """`count` greedy tokens after `prompt`, each from a whole pass over a fixed-length buffer (one
+    compiled shape; causal masking hides the padding after the current position)."""
+    tokens = np.zeros(len(prompt) + count, np.int64)
+    tokens[: len(prompt)] = prompt
+    for n in range(len(prompt), len(prompt) + count):
+        tokens[n] = int(np.argmax(prompt_logits(model, tokens, mesh)[n - 1]))
+    return tokens[len(prompt):].tolist()
+
+
+def bytes_per_device(cfg, tensor: int, expert: int) -> int:
+    """Parameter bytes one device holds on a (tensor, expert) mesh, from the shapes and RULES alone."""
+    from model.transformer import DeepseekModel  # here, not at the top: model.layers imports this module
+
+    mesh = jax.sharding.AbstractMesh((tensor, expert), (TENSOR, EXPERT))
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0))), nnx.Param))
+    total = 0
+    for name, value in zip(jax.tree.leaves(_flat_names(params)), jax.tree.leaves(params)):
+        spec = tuple(param_spec(name, value.shape, mesh)) + (None,) * value.ndim
+        shard = [dim // (mesh.shape[axis] if axis else 1) for dim, axis in zip(value.shape, spec)]
+        total += int(np.prod(shard, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+    return total
