@@ -151,15 +151,17 @@ async def interference(args, url: str, result: dict) -> None:
         # Enough tokens to outlast the long prefill three times over at the idle pace.
         budget = int(alone.ttft_s / max(out["idle_tpot_s"]["p50"], 1e-3) * 3) + args.stream_tokens
         started = [asyncio.Event() for _ in range(args.streams)]
-        streams = [asyncio.create_task(client.complete(fresh(64), budget, first_token=e)) for e in started]
+        arrivals: list[list[float]] = [[] for _ in range(args.streams)]
+        streams = [asyncio.create_task(client.complete(fresh(64), budget, first_token=e, times=t))
+                   for e, t in zip(started, arrivals)]
         await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding
         long = await client.complete(fresh(args.long_tokens), 4)
         for t in streams:
             t.cancel()
-        busy = await asyncio.gather(*streams, return_exceptions=True)
+        await asyncio.gather(*streams, return_exceptions=True)
     window = (long.send_s, long.send_s + long.ttft_s)
-    gaps = [b - a for r in busy if not isinstance(r, BaseException)
-            for a, b in zip(r.token_times_s, r.token_times_s[1:]) if window[0] <= b <= window[1]]
+    gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if window[0] <= b <= window[1]]
+    out["stream_tokens_during"] = sum(window[0] <= t <= window[1] for times in arrivals for t in times)
     out["during_itl_s"] = percentiles(gaps)
     out["long_together_ttft_s"] = long.ttft_s
     out["tpot_p99_ratio"] = out["during_itl_s"]["p99"] / out["idle_tpot_s"]["p99"]

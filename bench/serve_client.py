@@ -58,11 +58,13 @@ class Client:
         await self._session.close()
 
     async def complete(self, prompt: list[int], max_tokens: int, headers: dict | None = None,
-                       first_token: asyncio.Event | None = None) -> Result:
+                       first_token: asyncio.Event | None = None, times: list[float] | None = None) -> Result:
+        """One streamed request; `times`, if given, receives each token's arrival as it comes (so a
+        request cancelled midway still shows when its tokens came)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         send = self.now()
-        times: list[float] = []
+        times = [] if times is None else times
         hit, output, error = 0, 0, ""
         try:
             async with self._session.post(self.url, json=body, headers=self.headers | (headers or {})) as r:
