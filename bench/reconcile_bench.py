@@ -28,10 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from bench import report
-from bench.kv_bench import FINGERPRINT, GEOMETRY, drop_caches, free_port
+from bench.kv_bench import FINGERPRINT, GEOMETRY, MAC_KEY, drop_caches, free_port
 from kvstore import BlockStore, PrefixIndex, Reconciler, open_redis
 from kvstore.hashing import HASH_BYTES
 from kvstore.retention import DAY_S
+from kvstore.block_mac import BlockMac
 from kvstore.segment import SegmentPublication, encode_header
 from kvstore.volume import segment_key
 from services.launcher import durable_valkey
@@ -52,7 +53,7 @@ def write_segments(volumes: list[Path], count: int, blocks: int) -> int:
         hashes = [rng.bytes(HASH_BYTES) for _ in range(blocks)]
         checksums = rng.integers(0, 1 << 63, (GEOMETRY.num_layers, blocks), dtype=np.uint64)
         publication = SegmentPublication(hashes[0], "chat", 7 * DAY_S, written_at + 7 * DAY_S)
-        head = encode_header(FINGERPRINT, GEOMETRY, "bench", hashes, checksums, publication=publication)
+        head = encode_header(FINGERPRINT, GEOMETRY, "bench", hashes, checksums, BlockMac(MAC_KEY), publication=publication)
         size = len(head) + blocks * GEOMETRY.num_layers * GEOMETRY.block_bytes
         path = volumes[i % len(volumes)] / segment_key(secrets.token_hex(16))
         with open(path, "wb") as f:
@@ -79,10 +80,11 @@ async def run(args: argparse.Namespace) -> dict:
     result: dict = {"segments": args.segments, "blocks_per_segment": args.blocks, "volumes": args.volumes,
                     "object_bytes": object_bytes, "concurrency": args.concurrency, "argv": list(args.argv),
                     "machine": report.machine(), "load_average_start": os.getloadavg()[0]}
-    valkey = durable_valkey(work / "valkey", "127.0.0.1", free_port())
+    valkey = durable_valkey(work / "valkey", "127.0.0.1", free_port(), "reconcile-bench-password")
     valkey.start()
-    client = open_redis(valkey.connection_url)
-    store = await BlockStore.open([str(v) for v in volumes], GEOMETRY, FINGERPRINT, PrefixIndex(client), threads=8)
+    client = open_redis(valkey.url, password="reconcile-bench-password")
+    store = await BlockStore.open([str(v) for v in volumes], GEOMETRY, FINGERPRINT, PrefixIndex(client),
+                                  mac_key=MAC_KEY, threads=8)
     try:
         await client.flushall()
         result["lost_index"] = await timed_pass(store, args.concurrency)

@@ -18,13 +18,14 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
 
     RetentionPolicy(classes={"chat": 7 d, "agent": 3 d}, min_ttl_s=60, max_ttl_s=30 d)
 
-    store = await BlockStore.open(volumes, geometry, fingerprint, index, budget_bytes=None,
+    store = await BlockStore.open(volumes, geometry, fingerprint, index, mac_key=KEY, budget_bytes=None,
                                   max_segment_blocks=64, read_ahead=4, threads=8, read_mode="mmap", ...)
         volumes: directory paths or tensorstore kvstore specs (dict or URL)
         await store.save(hashes, layers, start_block=0, tenant="", retention="chat", ttl_s=None)
             -> SaveResult(blocks, segments, bytes)      # durable AND published when it returns
             hashes: the chain from block 0; layers[l]: (new_blocks * block_tokens, latent_dim)
-            raises ValueError (bad argument, names it) or SegmentWriteError (nothing unpublished left)
+            raises ValueError (bad argument, names it; also NaN/Inf latents) or SegmentWriteError
+            (nothing unpublished left)
         p = store.prefetch(hit, read_ahead=None, out=None) -> Prefetch   # reading starts now
             out: optional reused (num_layers, >= tokens, latent_dim) staging buffer to read into
             await p.layer(l) -> np.ndarray (tokens, latent_dim), verified, cache dtype; in layer
@@ -40,8 +41,9 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
         await reconciler.run() -> ReconcileReport     # one pass, per volume under a VolumeLease in Redis
         reconciler.start(interval_s)                  # at once, then every interval (the kvstore service)
 
-Cache faults (missing, torn, corrupt or foreign data) never raise from reads: they shorten
-the prefix, drop the bad index entry and count `stats.verification_failures`.
+Cache faults (missing, torn, corrupt, non-finite, forged (block MAC under mac_key), old-format or
+foreign data) never raise from reads: they shorten the prefix, drop the bad index entry and count
+`stats.verification_failures` (and forged_segments, old_format_segments, nonfinite_blocks).
 Retention is per segment: a hit keeps the whole segment alive; eviction retires least recently
 prefetched segments first (index entries first, bytes after `reader_grace_s`).
 Every segment header carries what publishing it needs (chain root, retention class, TTL, expiry),

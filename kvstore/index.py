@@ -101,10 +101,14 @@ return 1
 """
 
 
-def open_redis(url: str, cluster: bool = False, timeout_s: float = 5.0) -> redis.Redis | redis.RedisCluster:
+def open_redis(url: str, cluster: bool = False, timeout_s: float = 5.0,
+               password: str = "") -> redis.Redis | redis.RedisCluster:
     """A redis.asyncio client; `cluster=True` for Redis Cluster (any node's URL). Commands and
-    connects give up after `timeout_s` (a hanging index must not hang a request)."""
+    connects give up after `timeout_s` (a hanging index must not hang a request). `password`
+    (of the URL's user, or of `default`) is given apart from the URL, which may then be logged."""
     options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if password:
+        options["password"] = password
     if cluster:
         return redis.RedisCluster.from_url(url, **options)
     return redis.Redis.from_url(url, **options)

@@ -10,12 +10,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .block_mac import BlockMac
 from .geometry import CacheGeometry
 from .index import PrefixIndex
 from .location import Hit, SegmentRun
 from .prefetch import LayerRead
-from .segment import (PREAMBLE_BYTES, SegmentFormatError, SegmentHeader, SegmentMissing, block_checksums,
-                      copy_verified, decode_header, header_length)
+from .segment import (PREAMBLE_BYTES, BlockFault, SegmentForged, SegmentFormatError, SegmentHeader, SegmentMissing,
+                      SegmentVersionError, check_blocks, copy_verified, decode_header, header_length)
 from .stats import StoreStats
 from .volume import Volume
 
@@ -45,15 +46,18 @@ class HeaderCheck(NamedTuple):
 class SegmentReader:
     """Reads layers of hits, verified: the LayerSource behind a local Prefetch.
 
-    Invariants: a delivered block matched its segment's header (model fingerprint, geometry,
-    block hash at its ordinal) and its per-layer checksum; the first block that did not ends the
+    Invariants: a delivered block's segment header is of this format version and its block MAC
+    verifies under the MAC key; the block matched that header (model fingerprint, geometry, block
+    hash at its ordinal), its per-layer checksum, and holds only finite values; the first block that did not ends the
     usable prefix, is dropped from the index and counted in `stats.verification_failures`, and
     nothing raises for it. Segments a read holds (`readers`) are not deleted by this process.
     """
 
     def __init__(self, volumes: dict[str, Volume], geometry: CacheGeometry, fingerprint: str,
-                 index: PrefixIndex, pool: ThreadPoolExecutor, read_chunk_bytes: int = 4 * MiB) -> None:
+                 index: PrefixIndex, pool: ThreadPoolExecutor, mac: BlockMac,
+                 read_chunk_bytes: int = 4 * MiB) -> None:
         self.volumes = volumes
+        self.mac = mac
         self.geometry = geometry
         self.fingerprint = fingerprint
         self.index = index
@@ -64,7 +68,8 @@ class SegmentReader:
         self._headers: OrderedDict[str, SegmentHeader] = OrderedDict()  # segments are immutable
 
     async def header(self, volume_id: str, segment: str) -> SegmentHeader:
-        """The segment's header (cached: segments never change). Raises SegmentFormatError."""
+        """The segment's header, its block MACs verified (cached: segments never change). Raises
+        SegmentFormatError (SegmentVersionError, SegmentForged, SegmentMissing: counted here)."""
         cached = self._headers.get(segment)
         if cached is not None:
             self._headers.move_to_end(segment)
@@ -72,7 +77,15 @@ class SegmentReader:
         volume = self.volumes.get(volume_id)
         if volume is None:
             raise SegmentFormatError(f"unknown volume {volume_id}")
-        header = await read_header(volume, segment)
+        try:
+            header = await read_header(volume, segment)
+        except SegmentVersionError:
+            self.stats.old_format_segments += 1
+            raise
+        forged = self.mac.first_forged(header.version, header.fingerprint, header.hashes, header.checksums, header.macs)
+        if forged is not None:
+            self.stats.forged_segments += 1
+            raise SegmentForged(f"block {forged} of segment {segment}: MAC does not verify")
         self._headers[segment] = header
         if len(self._headers) > MAX_CACHED_HEADERS:
             self._headers.popitem(last=False)
@@ -138,8 +151,10 @@ class SegmentReader:
                 await self._reject(hit, valid, run.segment, f"layer {layer} unreadable")
                 break
             if bad is not None:
-                valid = block + bad
-                await self._reject(hit, valid, run.segment, f"layer {layer} checksum or short read")
+                valid = block + bad.block
+                if bad.reason == "nonfinite":
+                    self.stats.nonfinite_blocks += 1
+                await self._reject(hit, valid, run.segment, f"layer {layer}: {bad.reason}")
                 break
             block += run.count
         self.stats.layer_reads += 1
@@ -147,9 +162,10 @@ class SegmentReader:
         self.stats.read_latency.observe(time.perf_counter() - started)
         return LayerRead(out[:valid * g.block_tokens], valid)
 
-    async def _read_run(self, run: SegmentRun, layer: int, rows: np.ndarray, header: SegmentHeader) -> int | None:
+    async def _read_run(self, run: SegmentRun, layer: int, rows: np.ndarray,
+                        header: SegmentHeader) -> BlockFault | None:
         """Read one run's layer into `rows` (run.count * block_tokens, latent_dim), verifying each
-        block; the index of its first missing or bad block, or None."""
+        block; its first missing or bad block (index in the run), or None."""
         g = self.geometry
         volume = self.volumes[run.volume]
         start = run.data_offset + (layer * run.n_blocks + run.first) * g.block_bytes
@@ -157,7 +173,7 @@ class SegmentReader:
         loop = asyncio.get_running_loop()
         if volume.read_mode == "mmap":
             def copy() -> int | None:
-                return copy_verified(volume.mapped(run.segment), start, rows, expected, g.block_tokens)
+                return copy_verified(volume.mapped(run.segment), start, rows, expected, g.block_tokens, g.dtype)
             return await loop.run_in_executor(self._pool, copy)
         buffer = memoryview(rows.reshape(-1).view(np.uint8))
         step = max(g.block_bytes, self.read_chunk_bytes // g.block_bytes * g.block_bytes)
@@ -166,11 +182,12 @@ class SegmentReader:
                                      for o in offsets))
         short = [o + n for o, n in zip(offsets, got) if n < min(step, len(buffer) - o)]
         complete = min(short) // g.block_bytes if short else run.count  # blocks fully read
-        actual = await loop.run_in_executor(self._pool, block_checksums, rows, g.block_tokens)
-        mismatch = np.flatnonzero(actual[:complete] != expected[:complete])
-        if mismatch.size:
-            return int(mismatch[0])
-        return None if complete == run.count else complete
+        bt = g.block_tokens
+        fault = await loop.run_in_executor(self._pool, check_blocks, rows[:complete * bt], expected[:complete], bt,
+                                           g.dtype)
+        if fault is not None:
+            return fault
+        return None if complete == run.count else BlockFault(complete, "short")
 
     async def _reject(self, hit: Hit, block: int, segment: str, why: str) -> None:
         """Block `block` of the hit failed verification: count it, drop its entry, go on as a miss."""

@@ -161,6 +161,11 @@ class Reconciler:
             return f"foreign model fingerprint {header.fingerprint!r}"
         if header.geometry != store.geometry:
             return f"foreign geometry {header.geometry}"
+        forged = store.mac.first_forged(header.version, header.fingerprint, header.hashes, header.checksums,
+                                        header.macs)
+        if forged is not None:  # written without the deployment's MAC key: never republished
+            store.stats.forged_segments += 1
+            return f"block {forged}'s MAC does not verify"
         size = header.data_offset + header.n_blocks * store.geometry.num_layers * store.geometry.block_bytes
         if not await store.volumes[vid].has_size(segment, size):
             return f"torn: not {size} bytes"

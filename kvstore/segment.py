@@ -3,9 +3,9 @@
 Object layout (bytes):
   [0, 8)            magic b"DIKVSEG1"
   [8, 12)           header length H (uint32 little-endian)
-  [12, 12 + H)      msgpack header: fingerprint, geometry, tenant, block hashes, checksums, and
-                    "publication": what republishing its index entries needs (chain root,
-                    retention class, TTL, expiry), absent in segments written before it existed
+  [12, 12 + H)      msgpack header: format version, fingerprint, geometry, tenant, block hashes,
+                    checksums (block_check.py), block MACs (block_mac.py), and "publication": what
+                    republishing its index entries needs (chain root, retention class, TTL, expiry)
   [.., data_offset) zero padding to a 4 KiB boundary
   [data_offset, ..) latents, layer-major: layer l is bytes
                     [data_offset + l * n_blocks * block_bytes, + n_blocks * block_bytes),
@@ -20,27 +20,16 @@ from typing import NamedTuple, Sequence
 import msgpack
 import numpy as np
 
+from .block_check import CHECKSUM, block_checksums, nonfinite_blocks
+from .block_mac import MAC_BYTES, BlockMac
 from .geometry import CacheGeometry
 from .hashing import HASH_BYTES
 
 MAGIC = b"DIKVSEG1"
 PREAMBLE_BYTES = 12
 ALIGN_BYTES = 4096
-CHECKSUM = "rowsum64"
-
-
-def block_checksums(rows: np.ndarray, block_tokens: int) -> np.ndarray:
-    """rowsum64 of each block of one layer: (n_blocks * block_tokens, latent_dim) -> (n_blocks,) uint64.
-
-    Per token row the wrapping sum of its 8-byte words, then a sum of those weighted by odd
-    per-row constants. Any single flipped bit, zeroed or swapped row changes it; it runs at
-    memory speed, which a cryptographic hash would not (block identity is checked with the
-    block hashes in the header, not with this).
-    """
-    words = rows.view(np.uint64).reshape(-1, block_tokens, rows.shape[1] * rows.itemsize // 8)
-    per_row = words.sum(axis=2, dtype=np.uint64)  # (n_blocks, block_tokens)
-    weights = (np.arange(block_tokens, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-    return (per_row * weights).sum(axis=1, dtype=np.uint64)
+# 2: xxh3-64 checksums and keyed block MACs. 1 (no "version" field): rowsum64, no MACs; read as misses.
+FORMAT_VERSION = 2
 
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python 3.11 lacks the name
@@ -63,16 +52,35 @@ def populate(source: memoryview, start: int, length: int) -> None:
             pass
 
 
-def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np.ndarray, block_tokens: int,
-                  chunk_blocks: int = 64) -> int | None:
-    """Copy len(expected) blocks from source[start:] into `rows` (n_blocks * block_tokens, latent_dim),
-    verifying each block's checksum against `expected` (n_blocks,) right after copying it, a chunk
-    at a time (64 blocks = 4.5 MiB at the default geometry: still in the last-level cache; smaller
-    chunks measured slower from per-call overhead). A mapped source has each chunk's pages
-    populated first (`populate`).
+class BlockFault(NamedTuple):
+    """The first block of a read that may not be served, and why: "short" (missing bytes),
+    "checksum" or "nonfinite" (a NaN or Inf latent)."""
 
-    Returns the index of the first block that is missing or fails, or None if all are good.
-    Blocking (run it in a worker thread: numpy copies and sums release the GIL).
+    block: int
+    reason: str
+
+
+def check_blocks(rows: np.ndarray, expected: np.ndarray, block_tokens: int, dtype: str) -> BlockFault | None:
+    """Verify blocks already in `rows` (n_blocks * block_tokens, latent_dim) against `expected` (n_blocks,)."""
+    bad = np.flatnonzero(block_checksums(rows, block_tokens) != expected)
+    nonfinite = np.flatnonzero(nonfinite_blocks(rows, block_tokens, dtype))
+    first_bad = int(bad[0]) if bad.size else len(expected)
+    first_nonfinite = int(nonfinite[0]) if nonfinite.size else len(expected)
+    if first_bad == first_nonfinite == len(expected):
+        return None
+    return BlockFault(first_bad, "checksum") if first_bad <= first_nonfinite else BlockFault(first_nonfinite, "nonfinite")
+
+
+def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np.ndarray, block_tokens: int,
+                  dtype: str, chunk_blocks: int = 64) -> BlockFault | None:
+    """Copy len(expected) blocks from source[start:] into `rows` (n_blocks * block_tokens, latent_dim),
+    verifying each block (checksum against `expected` (n_blocks,), finite values) right after
+    copying it, a chunk at a time (64 blocks = 4.5 MiB at the default geometry: still in the
+    last-level cache; smaller chunks measured slower from per-call overhead). A mapped source has
+    each chunk's pages populated first (`populate`).
+
+    Returns the first block that is missing or fails, or None if all are good.
+    Blocking (run it in a worker thread: numpy copies and xxhash release the GIL).
     """
     n_blocks = len(expected)
     block_bytes = rows.nbytes // max(n_blocks, 1)
@@ -84,10 +92,10 @@ def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np
         b = min(available, a + chunk_blocks)
         populate(source, start + a * block_bytes, (b - a) * block_bytes)
         dst[a * block_bytes:b * block_bytes] = src[a * block_bytes:b * block_bytes]
-        bad = np.flatnonzero(block_checksums(rows[a * bt:b * bt], bt) != expected[a:b])
-        if bad.size:
-            return a + int(bad[0])
-    return None if available == n_blocks else available
+        fault = check_blocks(rows[a * bt:b * bt], expected[a:b], bt, dtype)
+        if fault is not None:
+            return BlockFault(a + fault.block, fault.reason)
+    return None if available == n_blocks else BlockFault(available, "short")
 
 
 class SegmentPublication(NamedTuple):
@@ -112,8 +120,10 @@ class SegmentHeader(NamedTuple):
     geometry: CacheGeometry
     tenant: str
     hashes: tuple[bytes, ...]   # block hashes, in block order
-    checksums: np.ndarray       # (num_layers, n_blocks) uint64, rowsum64 of each block of each layer
+    checksums: np.ndarray       # (num_layers, n_blocks) uint64, xxh3-64 of each block of each layer
     data_offset: int            # bytes
+    version: int                # FORMAT_VERSION
+    macs: bytes                 # n_blocks * MAC_BYTES, block_mac.BlockMac.block of each block
     publication: SegmentPublication | None = None  # None: written before headers carried it
 
     @property
@@ -127,28 +137,30 @@ def data_offset_for(header_bytes: int) -> int:
 
 def segment_object_bytes(geometry: CacheGeometry, fingerprint: str, tenant: str, blocks: int) -> int:
     """Upper bound of a segment object's size (what the byte budget is charged before writing):
-    data plus a header bound (hashes, checksums, names, publication, msgpack framing)."""
-    header = 512 + len(fingerprint.encode()) + len(tenant.encode()) + blocks * (HASH_BYTES + 8 * geometry.num_layers)
+    data plus a header bound (hashes, checksums, MACs, names, publication, msgpack framing)."""
+    header = 512 + len(fingerprint.encode()) + len(tenant.encode()) + blocks * (
+        HASH_BYTES + MAC_BYTES + 8 * geometry.num_layers)
     return data_offset_for(header) + blocks * geometry.num_layers * geometry.block_bytes
 
 
 def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
-                   layers: Sequence[np.ndarray], *,
+                   layers: Sequence[np.ndarray], mac: BlockMac, *,
                    publication: SegmentPublication | None = None) -> tuple[bytes, int]:
     """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, latent_dim)."""
     checksums = np.stack([block_checksums(np.ascontiguousarray(x), geometry.block_tokens) for x in layers])
-    head = encode_header(fingerprint, geometry, tenant, hashes, checksums, publication=publication)
+    head = encode_header(fingerprint, geometry, tenant, hashes, checksums, mac, publication=publication)
     parts = [head] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]
     return b"".join(parts), len(head)
 
 
 def encode_header(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
-                  checksums: np.ndarray, *, publication: SegmentPublication | None = None) -> bytes:
+                  checksums: np.ndarray, mac: BlockMac, *, publication: SegmentPublication | None = None) -> bytes:
     """The bytes of a segment object before its latents: preamble, header, padding to data_offset.
-    `checksums` is (num_layers, len(hashes)) uint64."""
+    `checksums` is (num_layers, len(hashes)) uint64; the block MACs are made here under `mac`."""
     fields = {
-        "fingerprint": fingerprint, "geometry": geometry.as_dict(), "tenant": tenant,
+        "version": FORMAT_VERSION, "fingerprint": fingerprint, "geometry": geometry.as_dict(), "tenant": tenant,
         "hashes": b"".join(hashes), "checksum": CHECKSUM, "checksums": checksums.astype("<u8").tobytes(),
+        "macs": mac.segment(FORMAT_VERSION, fingerprint, tuple(hashes), checksums),
     }
     if publication is not None:
         fields["publication"] = publication.as_dict()
@@ -165,6 +177,14 @@ class SegmentMissing(SegmentFormatError):
     """No segment object under that id (never written, or deleted)."""
 
 
+class SegmentVersionError(SegmentFormatError):
+    """A segment of another format version: never served (its blocks are misses), reported."""
+
+
+class SegmentForged(SegmentFormatError):
+    """A block MAC does not verify: the segment was not written by a holder of the MAC key."""
+
+
 def header_length(preamble: bytes) -> int:
     if len(preamble) < PREAMBLE_BYTES or preamble[:8] != MAGIC:
         raise SegmentFormatError("bad magic")
@@ -172,22 +192,31 @@ def header_length(preamble: bytes) -> int:
 
 
 def decode_header(raw: bytes) -> SegmentHeader:
-    """Parse the first 12 + H bytes of a segment object."""
+    """Parse the first 12 + H bytes of a segment object (its MACs are checked by the reader, which
+    holds the key). Raises SegmentVersionError for another format version."""
     length = header_length(raw)
     if len(raw) < PREAMBLE_BYTES + length:
         raise SegmentFormatError("truncated header")
     try:
         h = msgpack.unpackb(raw[PREAMBLE_BYTES:PREAMBLE_BYTES + length])
+        version = h.get("version", 1)
+        if version != FORMAT_VERSION:
+            raise SegmentVersionError(f"segment format version {version!r}, this code reads {FORMAT_VERSION}")
         geometry = CacheGeometry(**h["geometry"])
         blob = h["hashes"]
         hashes = tuple(blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES))
         checksums = np.frombuffer(h["checksums"], dtype="<u8").reshape(geometry.num_layers, len(hashes))
         if h["checksum"] != CHECKSUM:
             raise SegmentFormatError(f"unknown checksum {h['checksum']!r}")
+        macs = h["macs"]
+        if not isinstance(macs, bytes) or len(macs) != len(hashes) * MAC_BYTES:
+            raise SegmentFormatError("block MACs missing or of the wrong length")
         publication = _publication(h["publication"]) if "publication" in h else None
         return SegmentHeader(h["fingerprint"], geometry, h["tenant"], hashes, checksums, data_offset_for(length),
-                             publication)
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
+                             version, macs, publication)
+    except SegmentFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as e:
         raise SegmentFormatError(f"malformed header: {e}") from e
 
 

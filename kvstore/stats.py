@@ -29,7 +29,10 @@ class StoreStats:
     blocks_written: int = 0
     segments_written: int = 0
     write_failures: int = 0
-    verification_failures: int = 0       # blocks whose header, hash or checksum did not match
+    verification_failures: int = 0       # blocks whose header, MAC, hash, checksum or values did not pass
+    forged_segments: int = 0             # headers whose block MACs did not verify (written without the key)
+    old_format_segments: int = 0         # headers of another segment format version (read as misses)
+    nonfinite_blocks: int = 0            # blocks with a NaN or Inf latent (read as misses)
     evictions: int = 0                   # segments retired for capacity or by an admin
     expired: int = 0                     # segments retired because their entries expired
     segments_deleted: int = 0            # segment objects removed from volumes

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from redis.exceptions import RedisError
 
+from .block_check import nonfinite_blocks
+from .block_mac import BlockMac
 from .capacity import Capacity
 from .geometry import CacheGeometry
 from .index import PrefixIndex
@@ -57,15 +59,16 @@ class BlockStore(SegmentReader):
     """Latent blocks of prompt prefixes on tensorstore volumes, found through a PrefixIndex.
 
     Invariants: save() returns only after the data is durable AND published, and publishes
-    nothing when any write fails; every delivered block matched its segment header (model
-    fingerprint, geometry, block hash) and its per-layer checksum, and a block that did not is
+    nothing when any write fails; every stored block carries a MAC under `mac_key` (the
+    deployment's secret); every delivered block's MAC verified and it matched its segment header
+    (model fingerprint, geometry, block hash), its per-layer checksum and is finite; a block that did not is
     dropped from the index and counted, never raised; one save becomes segments of at most
     `max_segment_blocks` blocks on the least used volumes, each stored layer-major, so reading
     one layer of a prefix is one range read per segment. Reads: SegmentReader.
     """
 
     def __init__(self, volumes: Sequence[Volume], geometry: CacheGeometry, fingerprint: str,
-                 index: PrefixIndex, ledger: VolumeLedger, pool: ThreadPoolExecutor, *,
+                 index: PrefixIndex, ledger: VolumeLedger, pool: ThreadPoolExecutor, *, mac_key: str,
                  budget_bytes: int | None = None, retention: RetentionPolicy | None = None,
                  max_segment_blocks: int = 64, read_ahead: int = READ_AHEAD_LAYERS, read_chunk_bytes: int = 4 * MiB,
                  reader_grace_s: float = 30.0) -> None:
@@ -75,7 +78,8 @@ class BlockStore(SegmentReader):
             raise ValueError("the same volume is listed twice")
         if not 1 <= max_segment_blocks < 1_000_000:
             raise ValueError(f"max_segment_blocks must be in [1, 999999], got {max_segment_blocks}")
-        super().__init__({v.id: v for v in volumes}, geometry, fingerprint, index, pool, read_chunk_bytes)
+        super().__init__({v.id: v for v in volumes}, geometry, fingerprint, index, pool, BlockMac(mac_key),
+                         read_chunk_bytes)
         self.ledger = ledger
         self.retention = retention or RetentionPolicy()
         self.max_segment_blocks = max_segment_blocks
@@ -176,6 +180,8 @@ class BlockStore(SegmentReader):
                 raise ValueError(f"layers[{i}] must have shape {want}, got {getattr(x, 'shape', type(x))}")
             if x.dtype != g.np_dtype:
                 raise ValueError(f"layers[{i}] must have dtype {g.dtype}, got {x.dtype}")
+            if nonfinite_blocks(x, g.block_tokens, g.dtype).any():
+                raise ValueError(f"layers[{i}] holds NaN or Inf latents")
         return new
 
     def _segment_bytes(self, blocks: int, tenant: str) -> int:
@@ -204,7 +210,7 @@ class BlockStore(SegmentReader):
         segment = secrets.token_hex(16)
         payload, offset = await asyncio.get_running_loop().run_in_executor(
             self._pool, functools.partial(encode_segment, self.fingerprint, self.geometry, tenant, hashes, layers,
-                                          publication=publication))
+                                          self.mac, publication=publication))
         try:
             await volume.write(segment, payload)
         except Exception:

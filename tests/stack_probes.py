@@ -76,8 +76,11 @@ def wait_until_idle(stack: Stack, timeout_s: float = 30.0) -> None:
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
-    """One sample from a service's /metrics, e.g. metric(engine, "x_total", 'source="loaded"')."""
-    text = http("GET", url + "/metrics").body.decode()
+    """One sample from a service's /metrics, e.g. metric(engine, "x_total", 'source="loaded"'),
+    read as an operator's scraper does: with the admin token."""
+    reply = http("GET", url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert reply.status == 200, reply
+    text = reply.body.decode()
     wanted = f"{name}{{{labels}}}" if labels else name
     for line in text.splitlines():
         if line.startswith(wanted + " "):
@@ -101,7 +104,7 @@ def stored(stack: Stack) -> Stored:
     for volume in stack.volumes:
         for root, _, names in os.walk(volume):
             files |= {(os.path.join(root, n), os.path.getsize(os.path.join(root, n))) for n in names}
-    client = redis.Redis.from_url(stack.redis_url)
+    client = redis.Redis.from_url(stack.redis_url, password=stack.secrets.redis_password)
     try:
         keys = frozenset(client.scan_iter(count=1000))
     finally:

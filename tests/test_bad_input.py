@@ -272,7 +272,8 @@ async def test_a_client_that_abandons_a_whole_answer_cancels_its_generation(stac
 # -- the kvstore service's msgpack API --
 
 def _post_kvstore(stack, path: str, body: bytes):
-    return http("POST", stack.kvstore_url + path, body, {"Content-Type": "application/msgpack"})
+    return http("POST", stack.kvstore_url + path, body, {"Content-Type": "application/msgpack",
+                                                         "Authorization": f"Bearer {stack.secrets.service_token}"})
 
 
 @pytest.fixture(scope="module")
@@ -367,6 +368,7 @@ def test_kvstore_rejects_wrong_types_and_escaping_names_by_field(stack, model_fi
         if field is not None:
             assert body["field"] == field, (path, field, body)
     for segment in ("..%2F..%2Fvol0", "%2e%2e", "..", "ab" * 16 + "%2F..%2F..", "ab" * 15 + "%00" + "ab"):
-        reply = http("DELETE", stack.kvstore_url + "/v1/segments/" + segment)
+        reply = http("DELETE", stack.kvstore_url + "/v1/segments/" + segment,
+                     headers={"Authorization": f"Bearer {stack.secrets.service_token}"})
         assert reply.status in (400, 404), (segment, reply)
     assert stored(stack) == before

@@ -28,8 +28,8 @@ import yaml
 
 from model.config import preset
 from model.weights import read_identity
-from services.cli import build_parser
-from services.common.config import env_name, load_config
+from services.cli import build_parser, main
+from services.common.config import env_name, is_secret, load_config
 from services.engine.config import EngineConfig
 from services.gateway.config import GatewayConfig
 from services.kvstore.config import KvstoreConfig
@@ -52,10 +52,15 @@ KVSTORE_ENTRYPOINT = "docker/kvstore_for_model.py"
 # Host environments the file is interpolated with: the defaults, and every documented variable set.
 HOST_ENVS = {
     "defaults": {},
-    "overridden": {"DEEPINFER_ADMIN_TOKEN": "s3cret", "DEEPINFER_API_KEYS": "k1:acme,k2:globex",
-                   "DEEPINFER_OPEN_ACCESS": "false", "DEEPINFER_PUBLISH_ADDR": "0.0.0.0",
+    "overridden": {"DEEPINFER_OPEN_ACCESS": "false", "DEEPINFER_PUBLISH_ADDR": "0.0.0.0",
                    "DEEPINFER_BUDGET_GIB": "1.5"},
 }
+# The secret files of each case, as `deepinfer secrets` creates them plus what an operator wrote.
+HOST_SECRETS = {
+    "defaults": {},
+    "overridden": {"admin_token": "s3cret", "api_keys": "k1:acme,k2:globex"},
+}
+SECRETS_TARGET = PurePosixPath("/run/secrets")
 
 
 # ---------------------------------------------------------------- compose interpolation
@@ -213,12 +218,31 @@ class Launched(NamedTuple):
     model_dir: str | None  # the kvstore entrypoint's MODEL_DIR
 
 
-def launched(name: str, env: dict[str, str], model_dir: Path) -> Launched:
-    """Parses service `name`'s flags and environment with the service's real config loader.
+def secret_files(directory: Path, given: dict[str, str]) -> Path:
+    """The files compose's `secrets:` point at, made by the real `deepinfer secrets` command, then
+    overwritten with `given` values (an operator's own admin token, API keys)."""
+    assert main(["secrets", "--dir", str(directory)]) == 0
+    for name, value in given.items():
+        (directory / name).write_text(value)
+    return directory
+
+
+def launched(name: str, env: dict[str, str], model_dir: Path, secrets: dict[str, str] | None = None) -> Launched:
+    """Parses service `name`'s flags and environment with the service's real config loader, its
+    /run/secrets/NAME files being the compose file's secret sources (made under model_dir's parent).
     The kvstore's entrypoint script is run as the container runs it, on a local mini model dir."""
-    service = compose(env)["services"][name]
+    document = compose(env)
+    service = document["services"][name]
     argv = argv_of(service)
     environment = environment_of(service)
+    directory = secret_files(model_dir.parent / f"secrets-{abs(hash(repr(sorted((secrets or {}).items()))))}",
+                             secrets or {})
+    for key, value in environment.items():
+        if key.endswith("_FILE") and PurePosixPath(value).parent == SECRETS_TARGET:
+            secret = PurePosixPath(value).name
+            assert secret in (service.get("secrets") or []), f"{name}: {key} names a secret it does not mount"
+            assert document["secrets"][secret]["file"] == f"./secrets/{secret}", secret
+            environment[key] = str(directory / secret)
     entry_model_dir = None
     if argv[:2] == ["python", "-m"]:
         module, args = argv[2], argv[3:]
@@ -242,7 +266,7 @@ DEEPINFER_SERVICES = ["gateway", "kvstore", "engine"]
 @pytest.fixture(scope="module", params=list(HOST_ENVS))
 def stack(request, mini_model_dir) -> dict[str, Launched]:
     env = HOST_ENVS[request.param]
-    return {name: launched(name, env, mini_model_dir) for name in DEEPINFER_SERVICES}
+    return {name: launched(name, env, mini_model_dir, HOST_SECRETS[request.param]) for name in DEEPINFER_SERVICES}
 
 
 def services() -> dict[str, dict]:
@@ -286,6 +310,7 @@ def test_environment_variables_are_config_fields():
         module = argv_of(service)[2] if argv_of(service)[:2] == ["python", "-m"] else "services.kvstore"
         cls, prefix = SERVICE_CONFIGS[module]
         known = {env_name(prefix, f.name) for f in dataclasses.fields(cls)}
+        known |= {env_name(prefix, f.name) + "_FILE" for f in dataclasses.fields(cls) if is_secret(f)}
         assert variables <= known, f"{name}: {sorted(variables - known)} are not fields of {cls.__name__}"
 
 
@@ -298,10 +323,33 @@ def test_admin_token_is_shared_and_set(stack):
 
 def test_overridden_variables_reach_the_services(mini_model_dir):
     env = HOST_ENVS["overridden"]
-    gateway = launched("gateway", env, mini_model_dir).config
+    gateway = launched("gateway", env, mini_model_dir, HOST_SECRETS["overridden"]).config
     assert (gateway.admin_token, gateway.api_keys, gateway.open_access) == ("s3cret", "k1:acme,k2:globex", False)
     assert launched("kvstore", env, mini_model_dir).config.budget_gib == 1.5
     assert services()["gateway"]["ports"] != compose(env)["services"]["gateway"]["ports"]
+
+
+def test_deployment_secrets_are_shared_files_never_argv_or_environment(stack):
+    """Every service gets the deployment's secrets through mounted files: one service token, MAC
+    key and Redis password for all, a salt key for the gateway; no secret value appears in any
+    container's command line or environment, and Redis URLs carry no password."""
+    configs = {name: run.config for name, run in stack.items()}
+    for field in ("service_token", "redis_password", "admin_token"):
+        values = {getattr(c, field) for c in configs.values()}
+        assert len(values) == 1 and all(values), field
+    assert configs["kvstore"].mac_key and configs["kvstore"].mac_key == configs["engine"].mac_key
+    assert configs["gateway"].salt_key
+    secret_values = {getattr(c, f) for c in configs.values() for f in
+                     ("service_token", "redis_password", "admin_token", "salt_key", "mac_key", "api_keys")
+                     if hasattr(c, f) and getattr(c, f)}
+    for name, service in services().items():
+        visible = " ".join(argv_of(service)) + " " + " ".join(environment_of(service).values())
+        assert not any(value in visible for value in secret_values), name
+        for arg in argv_of(service):
+            if "redis://" in arg:
+                assert urlsplit(arg.split("=", 1)[-1]).password is None, (name, arg)
+    redis = services()["redis"]
+    assert "redis_password" in redis["secrets"] and "/run/secrets/redis_password" in " ".join(argv_of(redis))
 
 
 def _healthcheck_url(service: dict) -> str:

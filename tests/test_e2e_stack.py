@@ -141,8 +141,9 @@ def test_tenants_never_share_hits(stack):
     assert getattr(denied.value, "status_code", None) == 401
 
 
-def _engine_loaded_tokens(url):
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+def _engine_loaded_tokens(stack, url):
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {stack.admin_token}"})
+    with urllib.request.urlopen(request, timeout=5) as r:
         for line in r.read().decode().splitlines():
             if line.startswith('deepinfer_engine_prefill_tokens_total{source="loaded"}'):
                 return float(line.split()[-1])
@@ -162,12 +163,12 @@ async def test_a_prefix_saved_through_one_engine_is_hit_through_the_other(stack)
                                                       temperature=0, extra_headers=pin)
         return reply.usage.prompt_cache_hit_tokens, reply.choices[0].message.content
 
-    before = [_engine_loaded_tokens(u) for u in stack.engine_urls]
+    before = [_engine_loaded_tokens(stack, u) for u in stack.engine_urls]
     first_hits, first = await on(0)
     wait_for_saves(stack)
     disk_hits, on_other = await on(1)
     memory_hits, again = await on(0)
-    loaded = [a - b for a, b in zip([_engine_loaded_tokens(u) for u in stack.engine_urls], before)]
+    loaded = [a - b for a, b in zip([_engine_loaded_tokens(stack, u) for u in stack.engine_urls], before)]
     assert first_hits == 0 and disk_hits > 0 and memory_hits == disk_hits, (first_hits, disk_hits, memory_hits)
     assert loaded == [memory_hits, disk_hits], f"loaded tokens per engine {loaded}"
     assert on_other == first == again

@@ -18,6 +18,8 @@ from services.gateway.engine_client import EngineClient
 from tests.conftest import free_port
 
 ADMIN = {"Authorization": "Bearer engine-admin"}
+SERVICE_TOKEN = "engine-service-token"
+SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
 SALT = "0f" * 16
 
 
@@ -28,9 +30,12 @@ def engine(tmp_path_factory, valkey_server):
     args = [sys.executable, "-m", "services.engine", "--port", str(port), "--preset", "tiny",
             "--models-dir", str(tmp / "models"), "--volume", str(tmp / "v0"), "--volume", str(tmp / "v1"),
             "--redis-url", valkey_server.connection_url, "--index-prefix", "enginetest",
-            "--admin-token", "engine-admin", "--max-batch", "1", "--max-queue", "1", "--pool-tokens", "16384", "--heartbeat-s", "0.2"]
+            "--max-batch", "1", "--max-queue", "1", "--pool-tokens", "16384", "--heartbeat-s", "0.2"]
     log = open(tmp / "engine.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    (tmp / "mac_key").write_text("engine-test-mac-key\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DEEPINFER_ENGINE_ADMIN_TOKEN="engine-admin",
+               DEEPINFER_ENGINE_SERVICE_TOKEN=SERVICE_TOKEN, DEEPINFER_ENGINE_MAC_KEY_FILE=str(tmp / "mac_key"))
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -50,7 +55,7 @@ def engine(tmp_path_factory, valkey_server):
 
 
 async def _generate(url: str, job: dict) -> tuple[int, list[dict]]:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=SERVICE) as session:
         async with session.post(url + "/internal/generate", json=job) as r:
             if r.status != 200:
                 return r.status, [await r.json()]
@@ -116,7 +121,7 @@ async def test_bad_jobs_get_clear_400s(engine):
         status, body = await _generate(url, job)
         assert status == 400, job
         assert message in body[0]["error"]["message"], (job, body)
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=SERVICE) as session:
         async with session.post(url + "/internal/generate", data=b"{not json") as r:
             assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
 
@@ -124,7 +129,7 @@ async def test_bad_jobs_get_clear_400s(engine):
 async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
     url, _, _ = engine
     long_job = {"tokens": [5, 6, 7], "max_tokens": 2000}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=SERVICE) as session:
         first = await session.post(url + "/internal/generate", json=long_job)   # holds the only slot
         await first.content.readline()
         second = asyncio.create_task(session.post(url + "/internal/generate", json=long_job))  # queued
@@ -149,6 +154,27 @@ async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
         assert stats["in_flight"] == 0 and stats["waiting"] == 0
 
 
+async def test_everything_but_health_needs_the_service_token(engine):
+    url, _, _ = engine
+    job = json.dumps({"tokens": [5, 6, 7], "max_tokens": 1, "tenant_salt": SALT})
+    async with aiohttp.ClientSession() as session:
+        for path in ("/healthz", "/readyz"):
+            async with session.get(url + path) as r:
+                assert r.status == 200, path
+        for headers, status in (({}, 401), ({"Authorization": "Bearer"}, 401),
+                                ({"Authorization": "Bearer wrong"}, 403),
+                                ({"Authorization": f"Bearer {SERVICE_TOKEN}x"}, 403),
+                                ({"Authorization": f"Basic {SERVICE_TOKEN}"}, 403)):
+            async with session.post(url + "/internal/generate", data=job, headers=headers) as r:
+                assert r.status == status, headers
+            async with session.get(url + "/metrics", headers=headers) as r:
+                assert r.status == status, headers
+        async with session.get(url + "/metrics", headers=ADMIN) as r:  # an operator's scraper
+            assert r.status == 200
+        async with session.post(url + "/internal/generate", data=job, headers=SERVICE) as r:
+            assert r.status == 200
+
+
 async def test_health_metrics_and_admin_auth(engine):
     url, _, _ = engine
     async with aiohttp.ClientSession() as session:
@@ -158,7 +184,7 @@ async def test_health_metrics_and_admin_auth(engine):
             assert r.status == 401
         async with session.get(url + "/admin/stats", headers={"Authorization": "Bearer nope"}) as r:
             assert r.status == 403
-        async with session.get(url + "/metrics") as r:
+        async with session.get(url + "/metrics", headers=SERVICE) as r:
             text = await r.text()
         assert "deepinfer_engine_ttft_seconds" in text and "deepinfer_engine_prefill_tokens_total" in text
 
@@ -168,8 +194,9 @@ async def test_progress_events_keep_a_long_wait_alive_under_a_short_read_timeout
     still completes: the engine's progress events every heartbeat (0.2 s here) are what the
     client reads meanwhile; they never count as tokens."""
     url, _, _ = engine
-    async with aiohttp.ClientSession() as session:
-        patient = EngineClient(url, session, admin_token="", connect_timeout_s=2.0, read_timeout_s=1.0)
+    async with aiohttp.ClientSession(headers=SERVICE) as session:
+        patient = EngineClient(url, session, admin_token="", connect_timeout_s=2.0, read_timeout_s=1.0,
+                               service_token=SERVICE_TOKEN)
         blocker = await session.post(url + "/internal/generate", json={"tokens": [5, 6, 7], "max_tokens": 2000})
         try:
             while json.loads(await blocker.content.readline())["type"] != "token":

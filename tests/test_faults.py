@@ -17,6 +17,7 @@ from openai import APIError, APIStatusError, AsyncOpenAI
 from kvstore.segment import decode_header
 from services.launcher import StackConfig
 from tests.conftest import free_port, free_ports
+from tests.stack_probes import ADMIN_TOKEN
 from tests.fault_stack import (SILENCE_S, B, FaultStack, SlowLink, admin_json, admin_post, audit_index, chat,
                                client, engines_metric, metric, metric_total, pinned, prompt,
                                read_saved_prefixes, segment_files, streamed, wait_for_saves)
@@ -36,7 +37,7 @@ def stack(tmp_path_factory):
     link = SlowLink(kvstore_port).start()
     cfg = StackConfig(preset="tiny", data_dir=str(data), engines=2, remote_cache=True, gateway_port=free_port(),
                       kvstore_port=kvstore_port, engine_port=free_ports(2), redis_port=free_port(),
-                      ready_timeout_s=400)
+                      admin_token=ADMIN_TOKEN, ready_timeout_s=400)
     running = FaultStack(cfg, link).start()
     yield running
     running.stop()

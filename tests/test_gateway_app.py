@@ -174,10 +174,13 @@ async def test_admin_stats_needs_the_admin_token(serve):
 
 
 async def test_health_and_metrics(serve):
-    base = await serve()
+    base = await serve(admin_token="adm")
     assert (await call("GET", base + "/healthz"))[0] == 200
     await call("POST", base + "/v1/chat/completions", "sk-a", json={**CHAT, "top_p": 0})
-    status, text, headers = await call("GET", base + "/metrics")
+    for key in (None, "sk-a", "adm2"):  # with API keys, a tenant's key does not open /metrics
+        status, body, _ = await call("GET", base + "/metrics", key)
+        assert status == 401, key
+    status, text, headers = await call("GET", base + "/metrics", "adm")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert 'gateway_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text
     assert "gateway_prefix_lookup_failures_total" in text

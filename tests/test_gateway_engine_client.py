@@ -89,7 +89,7 @@ async def test_least_loaded_first(session):
 
 
 async def test_router_without_a_ready_engine_says_so(session):
-    job = GenerationJob("r", [1, 2, 3], Tenant("t", tenant_salt("t")), Sampling(None), "chat",
+    job = GenerationJob("r", [1, 2, 3], Tenant("t", tenant_salt("k", "t")), Sampling(None), "chat",
                         (1,), "messages")
     metrics = GatewayMetrics()
     for clients, message in [([], "No engine is configured"),

@@ -17,6 +17,7 @@ from services.gateway.tenants import Tenant, tenant_salt
 
 B = 64
 FINGERPRINT = "model-fp-test"
+SALT_KEY = "test-salt-key"
 VOLUME = "00112233aabbccdd"
 
 
@@ -44,7 +45,7 @@ async def index(redis_url):
 
 
 async def test_hit_is_capped_and_salted(index):
-    salt = tenant_salt("tenantA")
+    salt = tenant_salt(SALT_KEY, "tenantA")
     prompt = tokens(5 * B)
     hashes = block_hashes(prompt, FINGERPRINT, salt, B)
     await publish(index, hashes)
@@ -55,13 +56,13 @@ async def test_hit_is_capped_and_salted(index):
     longer = prompt + [1]
     assert (await lookup.lookup(block_hashes(longer, FINGERPRINT, salt, B), len(longer),
                                 B)).blocks == 5
-    other = block_hashes(prompt, FINGERPRINT, tenant_salt("tenantB"), B)
+    other = block_hashes(prompt, FINGERPRINT, tenant_salt(SALT_KEY, "tenantB"), B)
     assert (await lookup.lookup(other, len(prompt), B)).blocks == 0
     assert metrics.lookup_failures._value.get() == 0
 
 
 async def test_engine_job_carries_a_hit_the_engine_can_rebuild(index):
-    tenant = Tenant("tenantA", tenant_salt("tenantA"))
+    tenant = Tenant("tenantA", tenant_salt(SALT_KEY, "tenantA"))
     prompt = tokens(3 * B + 10)
     hashes = block_hashes(prompt, FINGERPRINT, tenant.salt, B)
     await publish(index, hashes[:2])

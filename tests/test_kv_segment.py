@@ -1,27 +1,39 @@
-"""The segment format: header round trip, rowsum64 checksums, copy_verified."""
+"""The segment format: header round trip, format version, block MACs, xxh3 checksums, finite
+latents, copy_verified."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from kvstore import CacheGeometry, block_hashes
-from kvstore.segment import (SegmentFormatError, SegmentPublication, block_checksums, copy_verified,
-                             decode_header, encode_segment)
+import msgpack
+
+from kvstore.block_mac import BlockMac
+from kvstore.segment import (PREAMBLE_BYTES, BlockFault, SegmentFormatError, SegmentPublication, SegmentVersionError,
+                             block_checksums, copy_verified, decode_header, encode_segment)
 
 GEOMETRY = CacheGeometry(num_layers=3, latent_dim=576, block_tokens=16)
+MAC = BlockMac("test-mac-key")
+NAN_BF16 = 0x7FC0
 
 
 def layers(n_blocks: int, seed: int = 0) -> list[np.ndarray]:
+    """Random bf16 bit patterns, every exponent below all-ones (finite)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 1 << 16, (n_blocks * 16, 576), dtype=np.uint16).view(GEOMETRY.np_dtype)
-            for _ in range(GEOMETRY.num_layers)]
+    bits = rng.integers(0, 1 << 16, (GEOMETRY.num_layers, n_blocks * 16, 576), dtype=np.uint16) & 0xBF7F
+    return [x.view(GEOMETRY.np_dtype) for x in bits]
+
+
+def encode(fingerprint, tenant, hashes, data, mac=MAC):
+    return encode_segment(fingerprint, GEOMETRY, tenant, hashes, data, mac)
 
 
 def test_header_round_trip_and_layer_major_layout():
     hashes = block_hashes(list(range(5 * 16)), "fp", "t", 16)
     data = layers(5)
-    payload, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, data)
+    payload, offset = encode("fp", "tenant", hashes, data)
     header = decode_header(payload[:offset])
+    assert header.version == 2 and MAC.first_forged(2, "fp", header.hashes, header.checksums, header.macs) is None
     assert header.fingerprint == "fp" and header.geometry == GEOMETRY and header.tenant == "tenant"
     assert header.hashes == tuple(hashes) and header.data_offset == offset and offset % 4096 == 0
     assert len(payload) == offset + 3 * 5 * GEOMETRY.block_bytes
@@ -33,12 +45,12 @@ def test_header_round_trip_and_layer_major_layout():
 def test_header_carries_its_publication():
     hashes = block_hashes(list(range(2 * 16)), "fp", "t", 16)
     publication = SegmentPublication(b"r" * 16, "agent", 3 * 86_400, 1_800_000_000)
-    payload, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2), publication=publication)
+    payload, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2), MAC, publication=publication)
     header = decode_header(payload[:offset])
     assert header.publication == publication and header.publication.written_at == 1_800_000_000 - 3 * 86_400
-    legacy, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2))
+    legacy, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2), MAC)
     assert decode_header(legacy[:offset]).publication is None
-    bad, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2),
+    bad, offset = encode_segment("fp", GEOMETRY, "tenant", hashes, layers(2), MAC,
                                  publication=publication._replace(root=b"short"))
     with pytest.raises(SegmentFormatError, match="publication"):
         decode_header(bad[:offset])
@@ -47,7 +59,7 @@ def test_header_carries_its_publication():
 def test_malformed_headers_are_refused():
     with pytest.raises(SegmentFormatError, match="magic"):
         decode_header(b"NOTASEGMENT.....")
-    payload, offset = encode_segment("fp", GEOMETRY, "", block_hashes(list(range(16)), "fp", "t", 16), layers(1))
+    payload, offset = encode("fp", "", block_hashes(list(range(16)), "fp", "t", 16), layers(1))
     with pytest.raises(SegmentFormatError, match="truncated"):
         decode_header(payload[:40])
     broken = bytearray(payload[:offset])
@@ -56,17 +68,46 @@ def test_malformed_headers_are_refused():
         decode_header(bytes(broken))
 
 
-def test_checksum_catches_flips_zeroed_and_swapped_rows():
+def test_an_older_format_version_is_refused_as_such():
+    payload, offset = encode("fp", "", block_hashes(list(range(16)), "fp", "t", 16), layers(1))
+    header = msgpack.unpackb(payload[PREAMBLE_BYTES:offset].rstrip(b"\0"))
+    for version in (None, 1, 3):
+        old = {k: v for k, v in header.items() if k not in ("version", "macs")} | (
+            {} if version is None else {"version": version})
+        raw = msgpack.packb(old)
+        with pytest.raises(SegmentVersionError):
+            decode_header(payload[:8] + len(raw).to_bytes(4, "little") + raw)
+
+
+def test_macs_bind_key_fingerprint_hash_and_checksums():
+    hashes = tuple(block_hashes(list(range(3 * 16)), "fp", "t", 16))
+    payload, offset = encode("fp", "", list(hashes), layers(3))
+    h = decode_header(payload[:offset])
+    assert MAC.first_forged(2, "fp", h.hashes, h.checksums, h.macs) is None
+    assert BlockMac("other-key").first_forged(2, "fp", h.hashes, h.checksums, h.macs) == 0
+    assert MAC.first_forged(2, "fp2", h.hashes, h.checksums, h.macs) == 0
+    assert MAC.first_forged(2, "fp", (h.hashes[0], h.hashes[2], h.hashes[1]), h.checksums, h.macs) == 1
+    changed = h.checksums.copy()
+    changed[2, 2] ^= 1
+    assert MAC.first_forged(2, "fp", h.hashes, changed, h.macs) == 2
+    with pytest.raises(ValueError):
+        BlockMac("")
+
+
+def test_checksum_catches_flips_zeroed_swapped_rows_and_swapped_words():
     rows = layers(2)[0]  # (32, 576)
     ref = block_checksums(rows, 16)
-    for damage in ("flip", "zero", "swap"):
+    for damage in ("flip", "zero", "swap", "words"):
         bad = rows.copy().view(np.uint16)
         if damage == "flip":
             bad[17, 300] ^= 1 << 9
         elif damage == "zero":
             bad[20:24] = 0
-        else:
+        elif damage == "swap":
             bad[[18, 19]] = bad[[19, 18]]
+        else:  # two 8-byte words inside one row trade places (a row's word sum stays the same)
+            words = bad.view(np.uint64)
+            words[21, [3, 7]] = words[21, [7, 3]]
         got = block_checksums(bad.view(GEOMETRY.np_dtype), 16)
         assert got[0] == ref[0] and got[1] != ref[1], damage
 
@@ -76,11 +117,21 @@ def test_copy_verified_reports_the_first_missing_or_bad_block():
     source = memoryview(b"\0" * 100 + data.view(np.uint8).tobytes())
     expected = block_checksums(data, 16)
     out = np.zeros_like(data)
-    assert copy_verified(source, 100, out, expected, 16, chunk_blocks=3) is None
+    dtype = GEOMETRY.dtype
+    assert copy_verified(source, 100, out, expected, 16, dtype, chunk_blocks=3) is None
     assert np.array_equal(out.view(np.uint16), data.view(np.uint16))
     short = source[:100 + 2 * GEOMETRY.block_bytes + 5]
-    assert copy_verified(short, 100, np.zeros_like(data), expected, 16) == 2
+    assert copy_verified(short, 100, np.zeros_like(data), expected, 16, dtype) == BlockFault(2, "short")
     tampered = bytearray(source)
     tampered[100 + GEOMETRY.block_bytes + 3] ^= 0xFF
-    assert copy_verified(memoryview(bytes(tampered)), 100, np.zeros_like(data), expected, 16) == 1
-    assert copy_verified(memoryview(b""), 0, np.zeros_like(data), expected, 16) == 0
+    assert copy_verified(memoryview(bytes(tampered)), 100, np.zeros_like(data), expected, 16, dtype) == (1, "checksum")
+    assert copy_verified(memoryview(b""), 0, np.zeros_like(data), expected, 16, dtype) == (0, "short")
+
+
+@pytest.mark.parametrize("pattern", [0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x7F81])  # NaNs, +-Inf, a signalling NaN
+def test_copy_verified_refuses_nonfinite_latents_even_with_a_matching_checksum(pattern):
+    data = layers(3, seed=4)[0]
+    data.view(np.uint16)[2 * 16 + 5, 17] = pattern  # block 2
+    expected = block_checksums(data, 16)  # the writer checksummed the NaN: the checksum passes
+    source = memoryview(data.view(np.uint8).tobytes())
+    assert copy_verified(source, 0, np.zeros_like(data), expected, 16, GEOMETRY.dtype) == (2, "nonfinite")

@@ -23,6 +23,7 @@ from tests.conftest import free_port
 GEOMETRY = CacheGeometry(num_layers=4, latent_dim=576, block_tokens=16)
 FP = "svc-model-fp"
 TOKEN = "s3cret-admin"
+SERVICE_TOKEN = "s3cret-service"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,8 +41,13 @@ class Reply(NamedTuple):
 
 def call(method: str, url: str, data: bytes | None = None, headers: dict | None = None, json_body=None,
          timeout: float = 10.0) -> Reply:
-    """One real HTTP request (stdlib urllib); 4xx/5xx come back as a Reply, not an exception."""
+    """One real HTTP request (stdlib urllib); 4xx/5xx come back as a Reply, not an exception. Data
+    endpoints get the service token unless the call gives its own Authorization (or an empty one)."""
     headers = dict(headers or {})
+    if "Authorization" not in headers and "/admin/" not in url:
+        headers["Authorization"] = f"Bearer {SERVICE_TOKEN}"
+    elif not headers.get("Authorization", True):
+        del headers["Authorization"]
     if json_body is not None:
         data, headers["Content-Type"] = json.dumps(json_body).encode(), "application/json"
     request = urllib.request.Request(url, data=data, headers=headers, method=method)
@@ -64,7 +70,8 @@ def start_service(tmp_path, redis_url: str, *extra: str) -> tuple[subprocess.Pop
             "--num-layers", "4", "--block-tokens", "16", "--volume", str(tmp_path / "v0"),
             "--volume", str(tmp_path / "v1"), "--redis-url", redis_url, "--max-body-mib", "4",
             "--max-segment-blocks", "4", "--reader-grace-s", "0", "--sweep-interval-s", "0", *extra]
-    env = dict(os.environ, DEEPINFER_KVSTORE_ADMIN_TOKEN=TOKEN)
+    env = dict(os.environ, DEEPINFER_KVSTORE_ADMIN_TOKEN=TOKEN, DEEPINFER_KVSTORE_SERVICE_TOKEN=SERVICE_TOKEN,
+               DEEPINFER_KVSTORE_MAC_KEY="svc-mac-key")
     log = open(tmp_path / f"kvstore-{port}.log", "wb")
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -92,7 +99,7 @@ def service(tmp_path_factory, valkey_server):
 
 @pytest.fixture
 async def client(service):
-    c = KvstoreClient(service[0], GEOMETRY, FP)
+    c = KvstoreClient(service[0], GEOMETRY, FP, service_token=SERVICE_TOKEN)
     yield c
     await c.close()
 
@@ -134,7 +141,8 @@ async def test_save_lookup_prefetch_through_the_service(client):
 
 
 async def test_large_saves_go_as_several_requests(service):
-    small = KvstoreClient(service[0], GEOMETRY, FP, max_request_bytes=3 * GEOMETRY.num_layers * GEOMETRY.block_bytes)
+    small = KvstoreClient(service[0], GEOMETRY, FP, service_token=SERVICE_TOKEN,
+                          max_request_bytes=3 * GEOMETRY.num_layers * GEOMETRY.block_bytes)
     try:
         hashes = block_hashes(prompt(8, 9), FP, "t", 16)
         data = latents(8, 9)
@@ -272,7 +280,7 @@ async def test_not_ready_without_redis(tmp_path):
         r = requests.get(url + "/readyz")
         assert r.status_code == 503 and r.json()["checks"]["redis"] is False
         assert requests.get(url + "/healthz").status_code == 200
-        client = KvstoreClient(url, GEOMETRY, FP)
+        client = KvstoreClient(url, GEOMETRY, FP, service_token=SERVICE_TOKEN)
         try:
             hashes = block_hashes(prompt(2, 8), FP, "t", 16)
             assert (await client.lookup(hashes)).blocks == 0  # a miss, not an error
@@ -290,7 +298,7 @@ async def test_not_ready_without_redis(tmp_path):
 
 
 async def test_client_save_errors_carry_status(service):
-    wrong = KvstoreClient(service[0], GEOMETRY, "some-other-model")
+    wrong = KvstoreClient(service[0], GEOMETRY, "some-other-model", service_token=SERVICE_TOKEN)
     try:
         with pytest.raises(KvstoreError) as error:
             await wrong.save(block_hashes(prompt(2, 7), "some-other-model", "t", 16), latents(2, 7))
@@ -305,7 +313,7 @@ async def test_a_lost_index_is_republished_at_start_and_on_the_admin_call(tmp_pa
     index = redis.Redis(host=valkey_server.host, port=valkey_server.port)
     proc, url = start_service(tmp_path, valkey_server.connection_url, "--index-prefix", "lost",
                               "--reconcile-min-age-s", "0")
-    client = KvstoreClient(url, GEOMETRY, FP)
+    client = KvstoreClient(url, GEOMETRY, FP, service_token=SERVICE_TOKEN)
     try:
         hashes = block_hashes(prompt(6, 10), FP, "t", 16)
         await client.save(hashes, latents(6, 10))
@@ -327,7 +335,7 @@ async def test_a_lost_index_is_republished_at_start_and_on_the_admin_call(tmp_pa
         index.delete(key)
     proc, url = start_service(tmp_path, valkey_server.connection_url, "--index-prefix", "lost",
                               "--reconcile-min-age-s", "0")
-    client = KvstoreClient(url, GEOMETRY, FP)
+    client = KvstoreClient(url, GEOMETRY, FP, service_token=SERVICE_TOKEN)
     try:  # restarted over an empty index: the pass at start republishes, in the background
         deadline = time.monotonic() + 60
         while (status := requests.get(url + "/admin/reconcile", headers=auth).json())["passes"] < 1:
@@ -340,3 +348,35 @@ async def test_a_lost_index_is_republished_at_start_and_on_the_admin_call(tmp_pa
         proc.terminate()
         proc.wait(timeout=10)
         index.close()
+
+
+async def test_data_endpoints_need_the_service_token(service, client):
+    """Lookup, read, save and delete without the service token: 401 (none) or 403 (wrong), before
+    the body is read; a save refused this way stores nothing. With it, the same save succeeds."""
+    url, tmp = service
+    hashes = block_hashes(prompt(2, 77), FP, "t", 16)
+    data = latents(2, 77)
+    save = msgpack.packb({"fingerprint": FP, "geometry": GEOMETRY.as_dict(), "hashes": hashes, "start_block": 0,
+                          "tenant": "t", "retention": "chat", "ttl_s": None,
+                          "layers": [x.view(np.uint8).tobytes() for x in data]})
+    before = segment_files(tmp)
+    requests_ = [("POST", "/v1/lookup", msgpack.packb({"hashes": hashes})), ("POST", "/v1/segments", save),
+                 ("POST", "/v1/read", msgpack.packb({})), ("DELETE", "/v1/segments/" + "ab" * 16, None),
+                 ("GET", "/metrics", None)]
+    for method, path, body in requests_:
+        for authorization, status in (("", 401), ("Bearer", 401), ("Bearer wrong", 403), (f"Bearer {TOKEN}x", 403),
+                                      (f"Bearer {SERVICE_TOKEN[:-1]}", 403), (f"Basic {SERVICE_TOKEN}", 403)):
+            reply = call(method, url + path, body, {"Authorization": authorization,
+                                                    "Content-Type": "application/msgpack"})
+            assert reply.status_code == status, (method, path, authorization, reply)
+    assert segment_files(tmp) == before
+    assert (await client.lookup(hashes)).blocks == 0
+    assert call("POST", url + "/v1/segments", save, {"Content-Type": "application/msgpack"}).status_code == 200
+    assert (await client.lookup(hashes)).blocks == 2
+    wrong = KvstoreClient(url, GEOMETRY, FP, service_token="not-it")
+    try:
+        assert (await wrong.lookup(hashes)).blocks == 0
+        with pytest.raises(KvstoreError, match="403"):
+            await wrong.save(hashes, data)
+    finally:
+        await wrong.close()

@@ -14,9 +14,10 @@ from kvstore import PrefixIndex, block_hashes, open_redis
 from kvstore.lease import VolumeLease
 from kvstore.reconcile import Reconciler
 from kvstore.retention import DAY_S
+from kvstore.block_mac import BlockMac
 from kvstore.segment import SegmentPublication, encode_segment
 from kvstore.volume import QUARANTINE_DIR, segment_key
-from tests.test_store_blocks import FP, GEOMETRY, latents, open_store, prompt, read_all
+from tests.test_store_blocks import FP, GEOMETRY, MAC_KEY, latents, open_store, prompt, read_all
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -49,7 +50,7 @@ async def write_orphan(store, seed: int, written_at: float, ttl_s: int = DAY_S, 
     hashes = block_hashes(prompt(2, seed), fingerprint, "t", 16)
     data = latents(2, seed)
     publication = SegmentPublication(hashes[0], "chat", ttl_s, int(written_at) + ttl_s)
-    payload, _ = encode_segment(fingerprint, GEOMETRY, "t", hashes, data, publication=publication)
+    payload, _ = encode_segment(fingerprint, GEOMETRY, "t", hashes, data, BlockMac(MAC_KEY), publication=publication)
     segment = secrets.token_hex(16)
     await next(iter(store.volumes.values())).write(segment, payload)
     return hashes, data, segment
@@ -112,7 +113,8 @@ async def test_torn_and_foreign_files_are_quarantined_and_reported(tmp_path, ind
         garbage.write_bytes(b"not a segment at all")
         _, _, foreign = await write_orphan(store, 5, time.time() - 3600, fingerprint="another-model")
         legacy = secrets.token_hex(16)  # written before headers carried a publication record
-        payload, _ = encode_segment(FP, GEOMETRY, "t", block_hashes(prompt(1, 14), FP, "t", 16), latents(1, 14))
+        payload, _ = encode_segment(FP, GEOMETRY, "t", block_hashes(prompt(1, 14), FP, "t", 16), latents(1, 14),
+                                    BlockMac(MAC_KEY))
         await next(iter(store.volumes.values())).write(legacy, payload)
 
         report = await Reconciler(store, min_age_s=0).run()

@@ -186,6 +186,7 @@ def test_tenant_cannot_claim_another_tenant_in_the_body(stack):
     wait_for_saves(stack)
     assert _ttft(stack, "key-a", tokens)[1] == 256
     before = loaded_tokens(stack)
-    spoof = {"tenant": "tenant-a", "tenant_salt": tenant_salt("tenant-a"), "user": "tenant-a"}
+    salt_a = tenant_salt(stack.secrets.salt_key, "tenant-a")
+    spoof = {"tenant": "tenant-a", "tenant_salt": salt_a, "user": "tenant-a"}
     assert _ttft(stack, "key-b", tokens, spoof)[1] == 0
     assert loaded_tokens(stack) == before

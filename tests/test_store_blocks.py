@@ -15,6 +15,7 @@ from tests.volume_shelf import FileShelf, S3Shelf
 
 GEOMETRY = CacheGeometry(num_layers=4, latent_dim=576, block_tokens=16, dtype="bfloat16")
 FP = "mini-model-fp"
+MAC_KEY = "test-mac-key"
 
 
 def prompt(n_blocks: int, seed: int) -> list[int]:
@@ -40,6 +41,7 @@ async def open_store(where, index, n_volumes=2, fingerprint=FP, **options) -> Bl
     volumes = shelf.volumes(n_volumes)
     options.setdefault("max_segment_blocks", 4)
     options.setdefault("reader_grace_s", 0.0)
+    options.setdefault("mac_key", MAC_KEY)
     return await BlockStore.open(volumes, GEOMETRY, fingerprint, index, threads=2, **options)
 
 
@@ -217,7 +219,8 @@ async def test_concurrent_writers_and_readers(store, index, shelf):
 
 
 async def test_non_file_volume_through_tensorstore(tmp_path, index):
-    store = await BlockStore.open([{"driver": "memory"}], GEOMETRY, FP, index, threads=2, max_segment_blocks=3)
+    store = await BlockStore.open([{"driver": "memory"}], GEOMETRY, FP, index, mac_key=MAC_KEY, threads=2,
+                                  max_segment_blocks=3)
     try:
         hashes = block_hashes(prompt(5, 60), FP, "t", 16)
         data = latents(5, 60)

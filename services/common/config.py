@@ -5,6 +5,11 @@ dataclass). A field without a default is required. Field types: str, int, float,
 list[str] (a repeatable flag; in the environment, comma-separated).
 Field metadata: "help" (text) and "flag" (the flag name when it differs from the field name,
 e.g. field `volumes` / flag `--volume`).
+
+Secrets (metadata "secret": True, e.g. tokens, keys, passwords) have no flag: argv is readable by
+every local user (`ps`). They come from DEEPINFER_<SERVICE>_<FIELD>, or from the file named by
+DEEPINFER_<SERVICE>_<FIELD>_FILE (the Docker secrets convention; one trailing newline is dropped).
+Declare them with `secret_field()`, which also keeps them out of the dataclass repr.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import argparse
 import dataclasses
 import os
 import typing
+import urllib.parse
 from typing import Any, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -23,6 +29,37 @@ class ConfigError(ValueError):
 
 def env_name(prefix: str, field: str) -> str:
     return f"DEEPINFER_{prefix.upper()}_{field.upper()}"
+
+
+def check_redis_url(url: str) -> None:
+    """A Redis URL never carries a password (it would show in argv, logs and `ps`): the password is
+    the secret field `redis_password`."""
+    if url and urllib.parse.urlsplit(url).password is not None:
+        raise ValueError("redis_url must not contain a password; give it as the secret redis_password "
+                         "(environment or *_FILE), and the user in the URL: redis://USER@HOST:PORT/DB")
+
+
+def secret_field(help_text: str, default: str = "") -> Any:
+    """A str field that never comes from argv and never shows in repr (see the module docstring)."""
+    return dataclasses.field(default=default, repr=False, metadata={"help": help_text, "secret": True})
+
+
+def is_secret(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("secret"))
+
+
+def read_secret(var: str, env: Mapping[str, str]) -> str | None:
+    """The value of secret variable `var` from env[var] or the file env[var + "_FILE"]; None if neither."""
+    file_var = var + "_FILE"
+    if var in env and file_var in env:
+        raise ConfigError(f"give {var} or {file_var}, not both")
+    if file_var in env:
+        try:
+            text = open(env[file_var], encoding="utf-8").read()
+        except OSError as e:
+            raise ConfigError(f"{file_var}: cannot read {env[file_var]!r}: {e.strerror}") from None
+        return text[:-1] if text.endswith("\n") else text
+    return env.get(var)
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -60,10 +97,15 @@ def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
     """An instance of dataclass `cls` from `argv` (default sys.argv[1:]) and `env` (default os.environ)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__, allow_abbrev=False)
     fields = dataclasses.fields(cls)
+    secrets = [f"  {env_name(prefix, f.name)}[_FILE]: {f.metadata.get('help', '')}" for f in fields if is_secret(f)]
+    epilog = "secrets (environment or file only, never flags):\n" + "\n".join(secrets) if secrets else None
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__, allow_abbrev=False, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields:
         kind = hints[f.name]
+        if is_secret(f):
+            continue
         help_text = f"{f.metadata.get('help', '')} ({_default_text(f)}; env {env_name(prefix, f.name)})"
         if kind is bool:
             parser.add_argument(_flag(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
@@ -76,6 +118,11 @@ def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
     values: dict[str, Any] = {}
     for f in fields:
         kind, flag, var = hints[f.name], _flag(f), env_name(prefix, f.name)
+        if is_secret(f):
+            secret = read_secret(var, env)
+            if secret is not None:
+                values[f.name] = secret
+            continue
         given = getattr(args, f.name)
         if given is not None:
             values[f.name] = given if kind is bool or typing.get_origin(kind) is list else _parse(kind, given, flag)

@@ -17,6 +17,7 @@ from model.runner import enable_compilation_cache
 from model.sampling import SamplingParams
 from services.common.admin import admin_auth_middleware
 from services.common.instance import add_instance_header
+from services.common.service_auth import service_auth_middleware
 from services.common.metrics import add_metrics_route
 from services.common.request_id import add_request_ids
 from services.engine.cache_link import CacheLink
@@ -228,7 +229,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 def build_app(cfg: EngineConfig) -> web.Application:
     state = EngineState(cfg)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[admin_auth_middleware(cfg.admin_token)])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[
+        admin_auth_middleware(cfg.admin_token), service_auth_middleware(cfg.service_token, cfg.admin_token)])
     app["state"] = state
     add_request_ids(app)
     add_instance_header(app)

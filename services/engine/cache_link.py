@@ -37,15 +37,16 @@ class CacheLink:
             # Remote: no volumes here; every read and save goes through the kvstore service, whose
             # client degrades to misses by itself while the service is down.
             self.store = KvstoreClient(self.cfg.kvstore_url, self.geometry, self.fingerprint,
-                                       read_ahead=self.cfg.read_ahead)
+                                       read_ahead=self.cfg.read_ahead, service_token=self.cfg.service_token)
             return
         while self.store is None:
             try:
-                index = PrefixIndex(open_redis(self.cfg.redis_url, self.cfg.redis_cluster), self.cfg.index_prefix)
+                index = PrefixIndex(open_redis(self.cfg.redis_url, self.cfg.redis_cluster,
+                                               password=self.cfg.redis_password), self.cfg.index_prefix)
                 if not await index.ping():
                     raise ConnectionError(f"redis at {self.cfg.redis_url} does not answer")
                 self.store = await BlockStore.open(
-                    self.cfg.volumes, self.geometry, self.fingerprint, index,
+                    self.cfg.volumes, self.geometry, self.fingerprint, index, mac_key=self.cfg.mac_key,
                     budget_bytes=self.cfg.budget_bytes or None, read_ahead=self.cfg.read_ahead)
                 self.index = index
                 log.info("latent cache connected: %d volumes, redis %s", len(self.cfg.volumes), self.cfg.redis_url)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from services.common.config import load_config
+from services.common.config import check_redis_url, load_config, secret_field
 from services.common.logs import check_log_format
 
 POOL_MEMORY_SHARE = 0.05  # of physical memory, per engine replica, when no pool size is given
@@ -63,11 +63,15 @@ class EngineConfig:
     heartbeat_s: float = field(default=5.0, metadata={
         "help": "seconds between progress events while a request waits for a slot or prefills (a caller's "
                 "silence timeout then only fires on a stuck engine, never on a long prompt)"})
-    admin_token: str = field(default="", metadata={"help": "bearer token for /admin/*; empty disables admin"})
+    admin_token: str = secret_field("bearer token for /admin/*; empty disables admin")
+    service_token: str = secret_field("bearer token /internal/* needs and the kvstore service gets (empty: closed)")
+    mac_key: str = secret_field("key of the segments' block MACs (mounted volumes; empty: no cache)")
+    redis_password: str = secret_field("password of the prefix index's Redis user")
     warmup: bool = field(default=True, metadata={"help": "compile common shapes before reporting ready"})
     log_format: str = field(default="text", metadata={"help": "log lines: text or json"})
 
     def __post_init__(self) -> None:
+        check_redis_url(self.redis_url)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in ("block_tokens", "chunk_tokens", "max_batch", "read_ahead", "step_tokens", "solo_tokens",

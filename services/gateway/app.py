@@ -6,8 +6,9 @@ import logging
 import time
 
 from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.common import add_metrics_route
 from services.common.instance import add_instance_header
 from services.common.request_id import add_request_ids
 from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
@@ -82,11 +83,30 @@ async def openapi(request: web.Request) -> web.Response:
                                               state.config.served_model))
 
 
-async def admin_stats(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    if not admin_allowed(request.headers.get("Authorization"), state.config.admin_token):
+def _require_admin(request: web.Request) -> None:
+    if not admin_allowed(request.headers.get("Authorization"), request.app[STATE].config.admin_token):
         raise OpenAIError("A valid admin token is required.", code="invalid_admin_token",
                           status=401)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text. With API keys the public port shows it only to the admin token: counters
+    such as prefix-lookup hit tokens would otherwise tell one tenant about another's traffic."""
+    state = request.app[STATE]
+    if not state.config.open_access:
+        _require_admin(request)
+    try:  # Redis health as a gauge, for Prometheus and Grafana; a hung Redis reads as down
+        up = await asyncio.wait_for(state.lookup.ready(), SCRAPE_PING_S)
+    except asyncio.TimeoutError:
+        up = False
+    state.metrics.prefix_index_up.set(1 if up else 0)
+    return web.Response(body=generate_latest(state.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def admin_stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_admin(request)
     return web.json_response({
         "served_model": state.config.served_model,
         "in_flight": state.pool.in_flight(),
@@ -111,15 +131,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-
-    async def before_scrape() -> None:  # Redis health as a gauge, for Prometheus and Grafana
-        try:  # a scrape waits at most SCRAPE_PING_S for it: a hung Redis reads as down
-            up = await asyncio.wait_for(state.lookup.ready(), SCRAPE_PING_S)
-        except asyncio.TimeoutError:
-            up = False
-        state.metrics.prefix_index_up.set(1 if up else 0)
-
-    add_metrics_route(app, state.metrics.registry, before=before_scrape)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/stats", admin_stats)
     add_dashboard_routes(app)

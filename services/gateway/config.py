@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from services.common import load_config
+from services.common.config import check_redis_url, load_config, secret_field
 from services.common.logs import check_log_format
 from services.gateway.tokenizer import DEFAULT_TOKENIZER_JSON
 
@@ -23,12 +23,13 @@ class GatewayConfig:
     port: int = field(default=8000, metadata={"help": "port to bind"})
     engines: list[str] = field(default_factory=list, metadata={
         "flag": "engine", "help": "an engine's base URL, e.g. http://127.0.0.1:8200 (repeatable)"})
-    api_keys: str = field(default="", metadata={"help": "API keys and their tenants: "
-                                                        "KEY:TENANT,KEY:TENANT"})
+    api_keys: str = secret_field("API keys and their tenants: KEY:TENANT,KEY:TENANT")
     open_access: bool = field(default=False, metadata={
         "help": "local mode: requests without a known key are served as tenant 'public'"})
-    admin_token: str = field(default="", metadata={
-        "help": "bearer token for /admin/* here and on the engines (empty: admin off)"})
+    admin_token: str = secret_field("bearer token for /admin/* here and on the engines (empty: admin off)")
+    service_token: str = secret_field("bearer token the engines' /internal/* endpoints need")
+    salt_key: str = secret_field("key of the tenant salts, HMAC(salt key, tenant) (empty: random per process)")
+    redis_password: str = secret_field("password of the prefix index's Redis user")
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
         "help": "prefix index Redis URL (empty: every request is a miss)"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis "
@@ -61,6 +62,7 @@ class GatewayConfig:
     log_format: str = field(default="text", metadata={"help": "log lines: text or json"})
 
     def __post_init__(self) -> None:
+        check_redis_url(self.redis_url)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in ("token_cache_bytes", "default_max_tokens", "max_body_bytes"):

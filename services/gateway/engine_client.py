@@ -17,6 +17,7 @@ from typing import AsyncIterator, NamedTuple
 import aiohttp
 
 from services.common.request_id import forwarded_headers
+from services.common.service_auth import bearer_headers
 
 
 class TokenEvent(NamedTuple):
@@ -63,10 +64,11 @@ class EngineRejected(Exception):
 
 class EngineClient:
     def __init__(self, url: str, session: aiohttp.ClientSession, admin_token: str,
-                 connect_timeout_s: float, read_timeout_s: float):
+                 connect_timeout_s: float, read_timeout_s: float, service_token: str = ""):
         self.url = url.rstrip("/")
         self._session = session
-        self._admin_headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._admin_headers = bearer_headers(admin_token)
+        self._service_headers = bearer_headers(service_token)  # /internal/* needs the service token
         self._probe_timeout = aiohttp.ClientTimeout(total=connect_timeout_s + 3.0,
                                                     connect=connect_timeout_s)
         # No total limit: a generation may stream for minutes; each read may wait for prefill.
@@ -99,7 +101,7 @@ class EngineClient:
         """Start a generation; yields its event stream. Leaving the block cancels it."""
         try:
             response = await self._session.post(f"{self.url}/internal/generate", json=job,
-                                                headers=forwarded_headers(),
+                                                headers=forwarded_headers() | self._service_headers,
                                                 timeout=self._stream_timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
             raise EngineUnavailable(self.url, f"unreachable ({error!r})") from error
@@ -109,6 +111,9 @@ class EngineClient:
                                         _retry_after(response.headers.get("Retry-After")))
             if response.status == 400:
                 raise EngineRejected(self.url, await _error_of(response))
+            if response.status in (401, 403):
+                raise EngineUnavailable(self.url, f"HTTP {response.status}: the gateway's service_token "
+                                                  "must be the engine's")
             if response.status != 200:
                 raise EngineUnavailable(self.url, f"HTTP {response.status}")
             yield self._events(response)

@@ -41,7 +41,7 @@ class GatewayState:
         tokenizer = shared_tokenizer(config.tokenizer_json)
         return cls(config=config, tokenizer=tokenizer,
                    token_cache=TokenCache(tokenizer, config.token_cache_bytes),
-                   tenants=TenantKeys(api_keys(config.api_keys), config.open_access),
+                   tenants=TenantKeys(api_keys(config.api_keys), config.open_access, config.salt_key),
                    metrics=GatewayMetrics())
 
     async def start(self, _app: web.Application | None = None) -> None:
@@ -49,12 +49,14 @@ class GatewayState:
         # limit=0: the gateway's concurrency to engines is bounded by the engines' queues.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         clients = [EngineClient(url, self.session, config.admin_token,
-                                config.engine_connect_timeout_s, config.first_token_timeout_s)
+                                config.engine_connect_timeout_s, config.first_token_timeout_s,
+                                service_token=config.service_token)
                    for url in config.engines]
         self.pool = EnginePool(clients, config.engine_poll_s)
         index = None
         if config.redis_url:
-            self.redis = open_redis(config.redis_url, cluster=config.redis_cluster)
+            self.redis = open_redis(config.redis_url, cluster=config.redis_cluster,
+                                    password=config.redis_password)
             index = PrefixIndex(self.redis, config.index_prefix)
         self.lookup = PrefixLookup(index, config.lookup_timeout_s, self.metrics)
         self.router = EngineRouter(self.pool, self.lookup, self.metrics, config.default_max_tokens)

@@ -1,18 +1,24 @@
 """API key -> tenant, and each tenant's salt for block hashes.
 
 The salt keeps tenants' prefix caches apart: equal prompts of two tenants hash to different
-blocks, so one tenant can never hit (or time) another's cache. Only the gateway computes
-hashes, so the salt need not be secret; it must only be stable and distinct per tenant.
+blocks, so one tenant can never hit (or time) another's cache. The salt is HMAC(salt key, tenant)
+under the deployment's secret salt key: stable (every gateway of the deployment computes the
+same), distinct per tenant, and not computable outside the stack, so nobody can derive the
+block hashes (index keys) of another tenant's prompt.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
+import logging
+import secrets
 from typing import NamedTuple
 
 from services.gateway.openai_errors import unauthorized
 
+log = logging.getLogger(__name__)
+
 PUBLIC_TENANT = "public"  # the tenant of key-less requests in open-access mode
+SALT_BYTES = 16
 
 
 class Tenant(NamedTuple):
@@ -20,15 +26,22 @@ class Tenant(NamedTuple):
     salt: str  # 32 hex chars; passed verbatim to block_hashes and to the engine
 
 
-def tenant_salt(name: str) -> str:
-    return hashlib.blake2b(name.encode("utf-8"), digest_size=16, person=b"dikv-tenant").hexdigest()
+def tenant_salt(salt_key: str, name: str) -> str:
+    """HMAC-SHA256(salt key, "dikv-tenant" NUL tenant), first 16 bytes as hex."""
+    mac = hmac.new(salt_key.encode(), b"dikv-tenant\x00" + name.encode("utf-8"), "sha256")
+    return mac.digest()[:SALT_BYTES].hex()
 
 
 class TenantKeys:
-    def __init__(self, keys: dict[str, str], open_access: bool):
-        self._tenants = {key: Tenant(name, tenant_salt(name)) for key, name in keys.items()}
+    def __init__(self, keys: dict[str, str], open_access: bool, salt_key: str = ""):
+        if not salt_key:
+            # Still secret, but per process: cached prefixes do not survive a gateway restart and are
+            # not shared with other gateways. `deepinfer up` and compose always give one.
+            log.warning("no salt key configured: using a random one for this process")
+            salt_key = secrets.token_hex(32)
+        self._tenants = {key: Tenant(name, tenant_salt(salt_key, name)) for key, name in keys.items()}
         self._open_access = open_access
-        self._public = Tenant(PUBLIC_TENANT, tenant_salt(PUBLIC_TENANT))
+        self._public = Tenant(PUBLIC_TENANT, tenant_salt(salt_key, PUBLIC_TENANT))
 
     def tenant_for(self, authorization: str | None) -> Tenant:
         """The tenant named by an `Authorization: Bearer <key>` header, or a 401 OpenAIError."""

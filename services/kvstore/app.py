@@ -13,7 +13,7 @@ from kvstore.location import SEGMENT_ID
 from kvstore.reconcile import Reconciler
 from kvstore.segment import SegmentMissing
 from services.common import (RequestError, add_health_routes, add_metrics_route, admin_auth_middleware,
-                             error_middleware)
+                             error_middleware, service_auth_middleware)
 from services.common.instance import add_instance_header
 from services.common.request_id import add_request_ids
 
@@ -46,6 +46,7 @@ async def index_down_middleware(request: web.Request, handler) -> web.StreamResp
 def create_app(config: KvstoreConfig) -> web.Application:
     app = web.Application(client_max_size=config.max_body_mib << 20,
                           middlewares=[error_middleware, admin_auth_middleware(config.admin_token),
+                                       service_auth_middleware(config.service_token, config.admin_token),
                                        index_down_middleware])
     app[CONFIG] = config
     add_request_ids(app)
@@ -76,10 +77,11 @@ def create_app(config: KvstoreConfig) -> web.Application:
 
 async def _store_lifecycle(app: web.Application):
     config = app[CONFIG]
-    redis = open_redis(config.redis_url, cluster=config.redis_cluster)
+    redis = open_redis(config.redis_url, cluster=config.redis_cluster, password=config.redis_password)
     index = PrefixIndex(redis, config.index_prefix)
     store = await BlockStore.open(
-        config.volumes, config.geometry, config.fingerprint, index, threads=config.io_threads,
+        config.volumes, config.geometry, config.fingerprint, index, mac_key=config.mac_key,
+        threads=config.io_threads,
         read_mode=config.read_mode,
         budget_bytes=config.budget_bytes, max_segment_blocks=config.max_segment_blocks,
         read_ahead=config.read_ahead, reader_grace_s=config.reader_grace_s)

@@ -1,7 +1,7 @@
 """KvstoreClient: the kvstore service over HTTP, with BlockStore's save/prefetch shape.
 
 For engines that do not mount the volumes:
-    client = KvstoreClient("http://127.0.0.1:8100", geometry, fingerprint)
+    client = KvstoreClient("http://127.0.0.1:8100", geometry, fingerprint, service_token=token)
     await client.save(hashes, layers, start_block=hit.blocks, tenant=..., retention="chat")
     p = client.prefetch(hit); await p.layer(l); await p.valid_tokens(); p.cancel()
     await client.lookup(hashes) -> Hit; await client.close()
@@ -19,6 +19,7 @@ import numpy as np
 from kvstore import CacheGeometry, Hit, LayerRead, Prefetch, SaveResult, miss
 from kvstore.store import READ_AHEAD_LAYERS
 from services.common.request_id import forwarded_headers
+from services.common.service_auth import bearer_headers
 
 from . import wire
 
@@ -40,8 +41,9 @@ class KvstoreClient:
 
     def __init__(self, base_url: str, geometry: CacheGeometry, fingerprint: str, *, read_ahead: int = READ_AHEAD_LAYERS,
                  timeout_s: float = 30.0, max_request_bytes: int = 256 << 20,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, service_token: str = "") -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Content-Type": wire.MSGPACK} | bearer_headers(service_token)
         self.geometry = geometry
         self.fingerprint = fingerprint
         self.read_ahead = read_ahead
@@ -62,7 +64,7 @@ class KvstoreClient:
 
     async def _post(self, path: str, message: dict[str, Any]) -> aiohttp.ClientResponse:
         body = msgpack.packb(message)
-        headers = {"Content-Type": wire.MSGPACK} | forwarded_headers()  # the engine's request id, if any
+        headers = self._headers | forwarded_headers()  # the engine's request id, if any
         return await self._http().post(self.base_url + path, data=body, headers=headers)
 
     async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from kvstore import CacheGeometry
 from services.common.logs import check_log_format
 from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
+from services.common.config import check_redis_url, secret_field
 
 
 @dataclass(slots=True)
@@ -24,7 +25,10 @@ class KvstoreConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "prefix index Redis URL"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster node"})
     index_prefix: str = field(default="dikv", metadata={"help": "Redis key prefix"})
-    admin_token: str = field(default="", metadata={"help": "bearer token for /admin/* (empty: admin off)"})
+    admin_token: str = secret_field("bearer token for /admin/* (empty: admin off)")
+    service_token: str = secret_field("bearer token every data endpoint needs (empty: all closed)")
+    mac_key: str = secret_field("key of the segments' block MACs (empty: saves refused, reads are misses)")
+    redis_password: str = secret_field("password of the prefix index's Redis user")
     budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume in GiB (0: unlimited)"})
     max_body_mib: int = field(default=512, metadata={"help": "largest request body accepted (MiB)"})
     max_segment_blocks: int = field(default=64, metadata={"help": "blocks per segment at most"})
@@ -40,6 +44,7 @@ class KvstoreConfig:
     log_format: str = field(default="text", metadata={"help": "log lines: text or json"})
 
     def __post_init__(self) -> None:
+        check_redis_url(self.redis_url)
         if not self.volumes:
             raise ValueError("at least one --volume (DEEPINFER_KVSTORE_VOLUMES) is required")
         if not 0 < self.port < 65536:
