@@ -5,6 +5,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
+import re
 import time
 import uuid
 
@@ -48,44 +50,73 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
                              status=status, headers=headers)
 
 
-def _field(body: dict, name: str, kind, default=None, required: bool = False):
+INT31 = 1 << 31       # token ids, max_tokens, top_k: far beyond any vocabulary or context
+INT63 = 1 << 63       # seeds (OpenAI's seed is an int64) and the ints of a hit's segment runs
+SALT_HEX = re.compile(r"^(?:[0-9a-f]{32})?$")
+MAX_REQUEST_ID = 200  # characters
+
+
+def _field(body: dict, name: str, kind, default=None, required: bool = False, low=None, high=None):
+    """body[name] of type `kind` (int: not bool; float: finite, ints accepted) within [low, high)
+    when given; `default` when absent or null. Raises BadJob naming the field."""
     if name not in body or body[name] is None:
         if required:
             raise BadJob(f"'{name}' is required", name)
         return default
     value = body[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        if not -INT63 <= value < INT63:
+            raise BadJob(f"'{name}' is out of range", name)
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise BadJob(f"'{name}' must be of type {kind.__name__}", name)
+    if kind is float and not math.isfinite(value):
+        raise BadJob(f"'{name}' must be a finite number", name)
+    if (low is not None and value < low) or (high is not None and value >= high):
+        raise BadJob(f"'{name}' must be in [{low}, {high}), got {value}", name)
     return value
 
 
+def _int_list(body: dict, name: str, required: bool = False) -> list[int]:
+    """A list of ints in [0, 2^31) (token ids): anything else (floats such as 1e400, bools, huge
+    ints) is a 400 naming the field, before numpy could overflow on it."""
+    values = _field(body, name, list, [], required)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT31 for t in values):
+        raise BadJob(f"'{name}' must be a list of integer token ids in [0, 2^31)", name)
+    return values
+
+
 def parse_job(body: object, fingerprint: str, block_tokens: int) -> Job:
+    """A generation job from the gateway's JSON: every malformed field is a BadJob (400) naming it."""
     if not isinstance(body, dict):
         raise BadJob("the body must be a JSON object")
-    tokens = _field(body, "tokens", list, required=True)
-    if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    tokens = _int_list(body, "tokens", required=True)
+    if not tokens:
         raise BadJob("'tokens' must be a non-empty list of integer token ids", "tokens")
     salt = _field(body, "tenant_salt", str, "")
+    if not SALT_HEX.match(salt):
+        raise BadJob("'tenant_salt' must be 32 lowercase hex digits", "tenant_salt")
     tenant = _field(body, "tenant", str, "")
+    request_id = _field(body, "request_id", str, "") or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID:
+        raise BadJob(f"'request_id' must be at most {MAX_REQUEST_ID} characters", "request_id")
     retention = _field(body, "retention", str, "chat")
     if retention not in RETENTION_CLASSES:
         raise BadJob(f"'retention' must be one of {RETENTION_CLASSES}", "retention")
+    stop = tuple(_int_list(body, "stop_token_ids"))
+    temperature = _field(body, "temperature", float, 0.0)
+    temperature = 0.0 if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
     try:
-        stop = tuple(int(t) for t in _field(body, "stop_token_ids", list, []))
-        temperature = _field(body, "temperature", float, 0.0)
-        temperature = 0.0 if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
-        params = SamplingParams(max_tokens=_field(body, "max_tokens", int, 16),
+        params = SamplingParams(max_tokens=_field(body, "max_tokens", int, 16, low=1, high=INT31),
                                 temperature=temperature,
                                 top_p=_field(body, "top_p", float, 1.0),
-                                top_k=_field(body, "top_k", int, 0),
-                                seed=_field(body, "seed", int, None), stop_token_ids=stop)
-    except (TypeError, ValueError) as error:
-        raise BadJob(str(error)) from None
+                                top_k=_field(body, "top_k", int, 0, low=0, high=INT31),
+                                seed=_field(body, "seed", int, None, low=-INT63, high=INT63), stop_token_ids=stop)
+    except ValueError as error:  # SamplingParams names the field first ("top_p must be in ...")
+        raise BadJob(str(error), str(error).split(" ", 1)[0]) from None
     token_array = np.asarray(tokens, np.int64)
     digest = _field(body, "logits_digest", bool, False)
-    return Job(str(body.get("request_id") or uuid.uuid4().hex), token_array, tenant, salt,
+    return Job(request_id, token_array, tenant, salt,
                _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest)
 
 
@@ -94,7 +125,8 @@ def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, blo
     stored data against these, so a stale or wrong location can only ever be a miss."""
     if not raw:
         return miss()
-    if not isinstance(raw, dict) or not isinstance(raw.get("blocks"), int) or not isinstance(raw.get("locations"), list):
+    if not isinstance(raw, dict) or not isinstance(raw.get("blocks"), int) or isinstance(raw["blocks"], bool) \
+            or not isinstance(raw.get("locations"), list):
         raise BadJob("'hit' must be {\"blocks\": int, \"locations\": [...]}", "hit")
     blocks = min(raw["blocks"], (tokens.size - 1) // block_tokens)
     if blocks <= 0:
@@ -103,7 +135,11 @@ def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, blo
     for item in raw["locations"]:
         try:
             run = SegmentRun(**item)
-            if not (VOLUME_ID.match(run.volume) and SEGMENT_ID.match(run.segment)) or run.count <= 0:
+            numbers = (run.first, run.count, run.n_blocks, run.data_offset)
+            if not (isinstance(run.volume, str) and isinstance(run.segment, str)
+                    and VOLUME_ID.match(run.volume) and SEGMENT_ID.match(run.segment)) \
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < INT63 for n in numbers) \
+                    or run.count <= 0:
                 raise ValueError
         except (TypeError, ValueError):
             raise BadJob("'hit.locations' holds a malformed segment run", "hit") from None

@@ -16,7 +16,7 @@ from services.gateway.chat_template import render_chat, render_completion
 from services.gateway.engine_client import EngineUnavailable
 from services.gateway.engine_router import GenerationJob
 from services.gateway.gateway_state import GatewayState
-from services.gateway.openai_errors import OpenAIError, model_not_found, unavailable
+from services.gateway.openai_errors import OpenAIError, invalid, model_not_found, unavailable
 from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest,
                                               parse_chat_completion, parse_completion,
                                               parse_json_body)
@@ -35,7 +35,37 @@ PIN_ADMIN_HEADER = "X-DeepInfer-Admin-Token"  # Authorization carries the API ke
 async def _authorized_body(request: web.Request) -> tuple[GatewayState, object, dict]:
     state = request.app[STATE]
     tenant = state.tenants.tenant_for(request.headers.get("Authorization"))
-    return state, tenant, parse_json_body(await request.read())
+    return state, tenant, parse_json_body(await _capped_body(request, state))
+
+
+async def _capped_body(request: web.Request, state: GatewayState) -> bytes:
+    """The body, refused (413) as soon as it is longer than any prompt within the model's context
+    can need (PromptBound.body_cap_bytes): by its Content-Length before reading, else while reading."""
+    max_context = state.pool.max_context()
+    cap = state.config.max_body_bytes if max_context is None else min(
+        state.config.max_body_bytes, state.prompt_bound.body_cap_bytes(max_context))
+    if (request.content_length or 0) > cap:
+        raise _too_large(cap)
+    chunks, size = [], 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > cap:
+            raise _too_large(cap)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(cap: int) -> OpenAIError:
+    return OpenAIError(f"The request body is larger than the {cap} bytes a prompt within this model's "
+                       "context can take.", code="request_too_large", status=413)
+
+
+def _refuse_if_too_long(state: GatewayState, texts: list[str], param: str) -> None:
+    """context_length_exceeded before tokenizing, when the texts cannot fit (see prompt_bound.py)."""
+    max_context = state.pool.max_context()
+    if max_context is not None and (at_least := state.prompt_bound.min_tokens(texts)) >= max_context:
+        raise invalid(param, f"This model's maximum context length is {max_context} tokens. However, "
+                      f"your prompt is at least {at_least} tokens.", "context_length_exceeded")
 
 
 def _check_model(state: GatewayState, model: str) -> None:
@@ -47,6 +77,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, tenant, body = await _authorized_body(request)
     parsed = parse_chat_completion(body)
     _check_model(state, parsed.model)
+    _refuse_if_too_long(state, [message.text for message in parsed.messages], "messages")
     with state.metrics.render_seconds.time():
         tokens = await asyncio.to_thread(render_chat, parsed.messages, state.token_cache)
     return await _generate(request, state, tenant, tokens, parsed, chat=True)
@@ -57,6 +88,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(body, state.tokenizer.vocab_size)
     _check_model(state, parsed.model)
     if isinstance(parsed.prompt, str):
+        _refuse_if_too_long(state, [parsed.prompt], "prompt")
         with state.metrics.render_seconds.time():
             tokens = await asyncio.to_thread(render_completion, parsed.prompt, state.token_cache)
     else:

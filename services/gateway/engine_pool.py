@@ -91,5 +91,10 @@ class EnginePool:
         finally:
             engine.in_flight -= 1
 
+    def max_context(self) -> int | None:
+        """The largest context (tokens) any engine has reported, or None before the first probe."""
+        known = [e.stats.max_context for e in self.engines if e.stats is not None]
+        return max(known) if known else None
+
     def in_flight(self) -> int:
         return sum(engine.in_flight for engine in self.engines)

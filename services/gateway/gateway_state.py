@@ -15,6 +15,7 @@ from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_router import EngineRouter
 from services.gateway.gateway_metrics import GatewayMetrics
 from services.gateway.prefix_lookup import PrefixLookup
+from services.gateway.prompt_bound import PromptBound
 from services.gateway.tenants import TenantKeys
 from services.gateway.token_cache import TokenCache
 from services.gateway.tokenizer import DeepSeekTokenizer, shared_tokenizer
@@ -29,6 +30,7 @@ class GatewayState:
     token_cache: TokenCache
     tenants: TenantKeys
     metrics: GatewayMetrics
+    prompt_bound: PromptBound
     started_at: int = field(default_factory=lambda: int(time.time()))  # unix seconds
     session: aiohttp.ClientSession | None = None
     redis: object | None = None
@@ -42,7 +44,7 @@ class GatewayState:
         return cls(config=config, tokenizer=tokenizer,
                    token_cache=TokenCache(tokenizer, config.token_cache_bytes),
                    tenants=TenantKeys(api_keys(config.api_keys), config.open_access, config.salt_key),
-                   metrics=GatewayMetrics())
+                   metrics=GatewayMetrics(), prompt_bound=PromptBound(tokenizer))
 
     async def start(self, _app: web.Application | None = None) -> None:
         config = self.config
