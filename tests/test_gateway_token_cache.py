@@ -43,3 +43,17 @@ def test_entry_larger_than_capacity_is_not_kept(tokenizer):
     cache.remember("user", "big", [1] * 1000)
     assert cache.stats().entries == 0
     assert cache.encode("user", "big") == tokenizer.encode_text("big")
+
+
+def test_entries_are_per_tenant(tokenizer):
+    """An answer remembered for one tenant (ids that differ from plain BPE) is never what another
+    tenant's identical text renders to: that would tell bob, via usage, what alice was answered."""
+    cache = TokenCache(tokenizer, capacity_bytes=1 << 20)
+    text = "a generated answer"
+    plain = tokenizer.encode_text(text)
+    alice, bob = cache.for_tenant("alice"), cache.for_tenant("bob")
+    alice.remember("assistant", text, [7, 7, 7, 7, 7, 7, 7, 7])
+    assert alice.encode("assistant", text) == [7] * 8
+    assert bob.encode("assistant", text) == plain
+    assert bob.encode_many([("assistant", text)]) == [plain]
+    assert cache.encode("assistant", text) == plain  # the unscoped (tenant "") view neither

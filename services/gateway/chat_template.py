@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Iterable, NamedTuple
 
-from services.gateway.token_cache import TokenCache
+from services.gateway.token_cache import TenantTokenCache, TokenCache
 
 ROLES = ("system", "user", "assistant")
 SYSTEM_PROMPT_SEPARATOR = "\n\n"
@@ -29,7 +29,7 @@ class ChatMessage(NamedTuple):
     text: str  # content with text parts already joined
 
 
-def render_chat(messages: Iterable[ChatMessage], cache: TokenCache) -> list[int]:
+def render_chat(messages: Iterable[ChatMessage], cache: TokenCache | TenantTokenCache) -> list[int]:
     """Prompt ids for `messages`, ending with the generation prompt <｜Assistant｜>."""
     messages = list(messages)
     special = cache.tokenizer.special
@@ -53,6 +53,6 @@ def render_chat(messages: Iterable[ChatMessage], cache: TokenCache) -> list[int]
     return tokens
 
 
-def render_completion(prompt: str, cache: TokenCache) -> list[int]:
+def render_completion(prompt: str, cache: TokenCache | TenantTokenCache) -> list[int]:
     """Prompt ids for the raw-text /v1/completions endpoint: bos, then the text as text."""
     return [cache.tokenizer.special.bos] + cache.encode("prompt", prompt)

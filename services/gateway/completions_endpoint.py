@@ -79,7 +79,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, parsed.model)
     _refuse_if_too_long(state, [message.text for message in parsed.messages], "messages")
     with state.metrics.render_seconds.time():
-        tokens = await asyncio.to_thread(render_chat, parsed.messages, state.token_cache)
+        tokens = await asyncio.to_thread(render_chat, parsed.messages,
+                                         state.token_cache.for_tenant(tenant.name))
     return await _generate(request, state, tenant, tokens, parsed, chat=True)
 
 
@@ -90,7 +91,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if isinstance(parsed.prompt, str):
         _refuse_if_too_long(state, [parsed.prompt], "prompt")
         with state.metrics.render_seconds.time():
-            tokens = await asyncio.to_thread(render_completion, parsed.prompt, state.token_cache)
+            tokens = await asyncio.to_thread(render_completion, parsed.prompt,
+                                             state.token_cache.for_tenant(tenant.name))
     else:
         tokens = list(parsed.prompt)
     return await _generate(request, state, tenant, tokens, parsed, chat=False)
@@ -113,8 +115,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
             async with aclosing(answer_events(generation, len(tokens), state.tokenizer,
                                               parsed.stop, eos)) as answer:
                 if parsed.stream:
-                    return await _stream(request, state, header, answer, parsed, chat, first_token_at)
-                return await _whole(state, header, answer, chat, first_token_at)
+                    return await _stream(request, state, header, answer, parsed, chat, first_token_at, tenant.name)
+                return await _whole(state, header, answer, chat, first_token_at, tenant.name)
     except asyncio.CancelledError:  # the client went away (handler_cancellation)
         state.metrics.client_disconnects.inc()
         log.info("request %s: client went away, generation cancelled", header.id)
@@ -136,7 +138,8 @@ def _pinned_engine(request: web.Request, state: GatewayState) -> str | None:
     return pin
 
 
-def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool, first_token_at: float) -> Usage:
+def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool, first_token_at: float,
+             tenant: str) -> Usage:
     usage = Usage(end.prompt_tokens, end.completion_tokens, end.cached_tokens)
     if end.completion_tokens > 1:  # time per output token after the first (TPOT)
         state.metrics.tpot_seconds.observe((time.monotonic() - first_token_at) / (end.completion_tokens - 1))
@@ -148,12 +151,12 @@ def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool, first_t
         # The next turn re-sends this answer: render it as the ids the model generated, so the
         # new prompt extends exactly the tokens whose cache the engine saved. Answers with
         # special-looking tokens are left to plain BPE, so no text can map to a turn boundary.
-        state.token_cache.remember("assistant", text, end.token_ids)
+        state.token_cache.remember("assistant", text, end.token_ids, tenant)
     return usage
 
 
 async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool,
-                 first_token_at: float) -> web.Response:
+                 first_token_at: float, tenant: str) -> web.Response:
     parts: list[str] = []
     try:
         async for item in answer:
@@ -166,14 +169,15 @@ async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool
         log.warning("request %s: engine failed mid-generation: %s", header.id, failure)
         raise unavailable("The engine failed while generating the answer. Try again.") from None
     text = "".join(parts)
-    usage = _account(state, end, text, chat, first_token_at)
+    usage = _account(state, end, text, chat, first_token_at, tenant)
     body = (chat_completion(header, text, end.finish_reason, usage) if chat
             else text_completion(header, text, end.finish_reason, usage))
     return web.json_response(body)
 
 
 async def _stream(request: web.Request, state: GatewayState, header: ResponseHeader, answer,
-                  parsed: ChatCompletionRequest | CompletionRequest, chat: bool, first_token_at: float
+                  parsed: ChatCompletionRequest | CompletionRequest, chat: bool, first_token_at: float,
+                  tenant: str
                   ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
@@ -186,7 +190,7 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
 
     try:
         try:
-            await _send_answer(send, state, header, answer, parsed.include_usage, chat, first_token_at)
+            await _send_answer(send, state, header, answer, parsed.include_usage, chat, first_token_at, tenant)
         except EngineUnavailable as failure:
             state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
             log.warning("request %s: engine failed mid-stream: %s", header.id, failure)
@@ -203,7 +207,7 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
 
 
 async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer,
-                       include_usage: bool, chat: bool, first_token_at: float) -> None:
+                       include_usage: bool, chat: bool, first_token_at: float, tenant: str) -> None:
     if chat:
         await send(chat_chunk(header, {"role": "assistant", "content": ""},
                               include_usage_field=include_usage))
@@ -216,7 +220,7 @@ async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer
                        else text_completion(header, item.text, None,
                                             include_usage_field=include_usage))
             continue
-        usage = _account(state, item, "".join(parts), chat, first_token_at)
+        usage = _account(state, item, "".join(parts), chat, first_token_at, tenant)
         # OpenAI sends usage in an extra choice-less chunk when asked; DeepSeek always puts it
         # on the last chunk. Either way it appears exactly once.
         last_usage = None if include_usage else usage
