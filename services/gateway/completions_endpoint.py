@@ -16,6 +16,7 @@ from services.gateway.chat_template import render_chat, render_completion
 from services.gateway.engine_client import EngineUnavailable
 from services.gateway.engine_router import GenerationJob
 from services.gateway.gateway_state import GatewayState
+from services.gateway.tenants import Tenant
 from services.gateway.openai_errors import OpenAIError, invalid, model_not_found, unavailable
 from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest,
                                               parse_chat_completion, parse_completion,
@@ -32,10 +33,9 @@ PIN_HEADER = "X-DeepInfer-Engine"  # an engine URL or index: run the request the
 PIN_ADMIN_HEADER = "X-DeepInfer-Admin-Token"  # Authorization carries the API key; the admin token rides here
 
 
-async def _authorized_body(request: web.Request) -> tuple[GatewayState, object, dict]:
+def _authorized(request: web.Request) -> tuple[GatewayState, Tenant]:
     state = request.app[STATE]
-    tenant = state.tenants.tenant_for(request.headers.get("Authorization"))
-    return state, tenant, parse_json_body(await _capped_body(request, state))
+    return state, state.tenants.tenant_for(request.headers.get("Authorization"))
 
 
 async def _capped_body(request: web.Request, state: GatewayState) -> bytes:
@@ -74,28 +74,30 @@ def _check_model(state: GatewayState, model: str) -> None:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, tenant, body = await _authorized_body(request)
-    parsed = parse_chat_completion(body)
-    _check_model(state, parsed.model)
-    _refuse_if_too_long(state, [message.text for message in parsed.messages], "messages")
-    with state.metrics.render_seconds.time():
-        tokens = await asyncio.to_thread(render_chat, parsed.messages,
-                                         state.token_cache.for_tenant(tenant.name))
-    return await _generate(request, state, tenant, tokens, parsed, chat=True)
+    state, tenant = _authorized(request)
+    with state.limits.admitted(tenant.name):  # the tenant's slot, from reading the body to the last byte out
+        parsed = parse_chat_completion(parse_json_body(await _capped_body(request, state)))
+        _check_model(state, parsed.model)
+        _refuse_if_too_long(state, [message.text for message in parsed.messages], "messages")
+        with state.metrics.render_seconds.time():
+            tokens = await asyncio.to_thread(render_chat, parsed.messages,
+                                             state.token_cache.for_tenant(tenant.name))
+        return await _generate(request, state, tenant, tokens, parsed, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state, tenant, body = await _authorized_body(request)
-    parsed = parse_completion(body, state.tokenizer.vocab_size)
-    _check_model(state, parsed.model)
-    if isinstance(parsed.prompt, str):
-        _refuse_if_too_long(state, [parsed.prompt], "prompt")
-        with state.metrics.render_seconds.time():
-            tokens = await asyncio.to_thread(render_completion, parsed.prompt,
-                                             state.token_cache.for_tenant(tenant.name))
-    else:
-        tokens = list(parsed.prompt)
-    return await _generate(request, state, tenant, tokens, parsed, chat=False)
+    state, tenant = _authorized(request)
+    with state.limits.admitted(tenant.name):
+        parsed = parse_completion(parse_json_body(await _capped_body(request, state)), state.tokenizer.vocab_size)
+        _check_model(state, parsed.model)
+        if isinstance(parsed.prompt, str):
+            _refuse_if_too_long(state, [parsed.prompt], "prompt")
+            with state.metrics.render_seconds.time():
+                tokens = await asyncio.to_thread(render_completion, parsed.prompt,
+                                                 state.token_cache.for_tenant(tenant.name))
+        else:
+            tokens = list(parsed.prompt)
+        return await _generate(request, state, tenant, tokens, parsed, chat=False)
 
 
 async def _generate(request: web.Request, state: GatewayState, tenant, tokens: list[int],
@@ -107,6 +109,7 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
     # The engines log and save under the request id the client sees in X-Request-Id.
     job = GenerationJob(request[REQUEST_ID], tokens, tenant, parsed.sampling, parsed.retention, eos,
                         "messages" if chat else "prompt", _pinned_engine(request, state))
+    state.limits.charge(tenant.name, len(tokens))
     state.metrics.in_flight.inc()
     try:
         async with state.router.generation(job) as generation:
@@ -146,6 +149,7 @@ def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool, first_t
     state.metrics.prompt_tokens.labels("hit").inc(usage.cached_tokens)
     state.metrics.prompt_tokens.labels("miss").inc(usage.prompt_tokens - usage.cached_tokens)
     state.metrics.completion_tokens.inc(usage.completion_tokens)
+    state.limits.charge(tenant, usage.completion_tokens)
     added = state.tokenizer.added_token_ids
     if chat and not end.stopped_by_string and not any(t in added for t in end.token_ids):
         # The next turn re-sends this answer: render it as the ids the model generated, so the

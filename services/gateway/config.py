@@ -55,6 +55,11 @@ class GatewayConfig:
         "help": "seconds an engine may stay silent (no token, no progress event) before the request is failed "
                 "over; engines send progress every few seconds while a request waits or prefills, so a long "
                 "prompt never hits this"})
+    key_max_concurrent: int = field(default=16, metadata={
+        "help": "requests of one API key (tenant) in the gateway at once; more get 429 (0: no limit)"})
+    key_tokens_per_minute: int = field(default=0, metadata={
+        "help": "prompt + completion tokens per minute per API key (tenant); past it 429 + Retry-After "
+                "(0: no limit)"})
     drain_timeout_s: float = field(default=30.0, metadata={
         "help": "seconds in-flight requests may take to finish on shutdown"})
     kvstore_url: str = field(default="", metadata={
@@ -68,6 +73,9 @@ class GatewayConfig:
         for name in ("token_cache_bytes", "default_max_tokens", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("key_max_concurrent", "key_tokens_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lookup_timeout_s", "engine_poll_s", "engine_connect_timeout_s",
                      "first_token_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:

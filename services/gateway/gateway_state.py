@@ -14,6 +14,7 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.engine_pool import EnginePool
 from services.gateway.engine_router import EngineRouter
 from services.gateway.gateway_metrics import GatewayMetrics
+from services.gateway.key_limits import KeyLimits
 from services.gateway.prefix_lookup import PrefixLookup
 from services.gateway.prompt_bound import PromptBound
 from services.gateway.tenants import TenantKeys
@@ -31,6 +32,7 @@ class GatewayState:
     tenants: TenantKeys
     metrics: GatewayMetrics
     prompt_bound: PromptBound
+    limits: KeyLimits
     started_at: int = field(default_factory=lambda: int(time.time()))  # unix seconds
     session: aiohttp.ClientSession | None = None
     redis: object | None = None
@@ -44,7 +46,8 @@ class GatewayState:
         return cls(config=config, tokenizer=tokenizer,
                    token_cache=TokenCache(tokenizer, config.token_cache_bytes),
                    tenants=TenantKeys(api_keys(config.api_keys), config.open_access, config.salt_key),
-                   metrics=GatewayMetrics(), prompt_bound=PromptBound(tokenizer))
+                   metrics=GatewayMetrics(), prompt_bound=PromptBound(tokenizer),
+                   limits=KeyLimits(config.key_max_concurrent, config.key_tokens_per_minute))
 
     async def start(self, _app: web.Application | None = None) -> None:
         config = self.config

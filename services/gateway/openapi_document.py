@@ -171,7 +171,8 @@ _ERRORS = {
     "400": _error("Invalid request; `error.param` names the field."),
     "401": _error("Missing or unknown API key."),
     "404": _error("Unknown model."),
-    "413": _error("Request body too large."),
+    "413": _error("Request body too large (longer than any prompt within the model's context)."),
+    "429": _error("This API key's concurrent requests or tokens per minute are used up; see Retry-After."),
     "503": _error("No engine could take the request; see Retry-After."),
 }
 
