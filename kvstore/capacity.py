@@ -27,26 +27,34 @@ class Capacity:
     """
 
     def __init__(self, store: "BlockStore", budget_bytes: int | None, reader_grace_s: float) -> None:
+        """`budget_bytes`: every volume's budget; None: each volume's recorded default (a share of its
+        file system, see volume.py); a volume without one (an object store) needs an explicit budget."""
         self.store = store
+        for volume in store.volumes.values():
+            if budget_bytes is None and volume.default_budget_bytes is None:
+                raise ValueError(f"volume {volume.name} is not on a file system: give it an explicit byte budget")
         self.budget_bytes = budget_bytes
         self.reader_grace_s = reader_grace_s
         self._sweeper: asyncio.Task | None = None
 
     async def make_room(self, volume: str, incoming: int) -> int:
         """Evict least-recently-hit segments of `volume` until `incoming` more bytes fit; returns evictions."""
-        if self.budget_bytes is None:
-            return 0
-        if incoming > self.budget_bytes:
-            raise ValueError(f"a segment of {incoming} bytes exceeds the volume budget of {self.budget_bytes}")
+        budget = self.budget_of(volume)
+        if incoming > budget:
+            raise ValueError(f"a segment of {incoming} bytes exceeds the volume budget of {budget}")
         evicted = 0
         ledger = self.store.ledger
-        while (await ledger.used([volume]))[volume] + incoming > self.budget_bytes:
+        while (await ledger.used([volume]))[volume] + incoming > budget:
             victims = await ledger.least_recent(volume, 1)
             if not victims:
                 break
             evicted += await self.retire(volume, victims[0])
         self.store.stats.evictions += evicted
         return evicted
+
+    def budget_of(self, volume: str) -> int:
+        """Bytes volume `volume` may hold: the explicit budget, else its recorded default."""
+        return self.budget_bytes if self.budget_bytes is not None else self.store.volumes[volume].default_budget_bytes
 
     async def retire(self, volume: str, record: SegmentRecord) -> int:
         """Unpublish a segment, then stop counting it; its bytes go after the grace period."""

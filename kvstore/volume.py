@@ -16,6 +16,11 @@ import tensorstore as ts
 from .location import SEGMENT_ID, VOLUME_ID
 
 ID_KEY = "VOLUME_ID"
+# The default byte budget of a file-system volume: this share of its file system's total size (not
+# of its free space, which the cache itself uses up), computed on the volume's first open and
+# recorded in it, so the kvstore and every engine that mounts it apply the same figure.
+DEFAULT_BUDGET_SHARE = 0.8
+BUDGET_KEY = "DEFAULT_BUDGET_BYTES"
 SEGMENT_DIR = "segments/"
 QUARANTINE_DIR = "quarantine/"  # segment objects reconciliation found torn or foreign, kept for a human
 READ_MODES = ("mmap", "pread", "tensorstore")
@@ -74,12 +79,13 @@ class Volume:
     """
 
     def __init__(self, store: ts.KvStore, spec: dict[str, Any], volume_id: str, pool: ThreadPoolExecutor,
-                 read_mode: str = "mmap") -> None:
+                 read_mode: str = "mmap", default_budget_bytes: int | None = None) -> None:
         if read_mode not in READ_MODES:
             raise ValueError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
         self.store = store
         self.spec = spec
         self.id = volume_id
+        self.default_budget_bytes = default_budget_bytes  # None: not a file system, needs an explicit budget
         self._pool = pool
         self.read_mode = read_mode if spec.get("driver") == "file" else "tensorstore"
         # segment -> (mapping of its whole file, last use on the monotonic clock), least recent first
@@ -100,7 +106,7 @@ class Volume:
         volume_id = found.value.decode().strip()
         if not VOLUME_ID.match(volume_id):
             raise ValueError(f"volume {spec} has a malformed {ID_KEY}: {volume_id!r}")
-        return cls(store, spec, volume_id, pool, read_mode)
+        return cls(store, spec, volume_id, pool, read_mode, await _default_budget(store, spec))
 
     @property
     def name(self) -> str:
@@ -238,6 +244,19 @@ class Volume:
             return found.state == "value" and found.value.decode().strip() == self.id
         except Exception:  # readiness probe: any failure means "not reachable"
             return False
+
+
+async def _default_budget(store: ts.KvStore, spec: dict[str, Any]) -> int | None:
+    """The volume's recorded default budget; on a file system's first open, computed and recorded."""
+    found = await store.read(BUDGET_KEY)
+    if found.state == "value":
+        return int(found.value.decode())
+    if spec.get("driver") != "file":
+        return None
+    fs = os.statvfs(spec["path"])
+    budget = int(fs.f_blocks * fs.f_frsize * DEFAULT_BUDGET_SHARE)
+    await store.write(BUDGET_KEY, str(budget).encode())
+    return budget
 
 
 def _shrunk(path: str, mapped: int) -> bool:

@@ -57,7 +57,8 @@ class StackConfig:
     volumes: list[str] = field(default_factory=list, metadata={
         "flag": "volume", "help": "cache volume: a directory (repeat per SSD) or s3://bucket/prefix; "
                                   "default: 4 under DATA_DIR/volumes"})
-    budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume, GiB (0 = unlimited)"})
+    budget_gib: float = field(default=0.0, metadata={
+        "help": "byte budget per volume, GiB (0: 80% of each volume's file system; an s3 volume needs one)"})
     api_keys: str = secret_field("KEY:TENANT,...; empty = open local mode")
     admin_token: str = secret_field("admin bearer token (default: DATA_DIR/secrets/admin_token, created once)")
     service_token: str = secret_field("internal-plane credential (default: DATA_DIR/secrets/service_token)")

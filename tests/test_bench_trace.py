@@ -157,7 +157,8 @@ async def test_model_matches_the_real_block_store(tmp_path, redis_url):
 
     client = open_redis(redis_url)
     store = await BlockStore.open([str(tmp_path / "a"), str(tmp_path / "b")], geometry, fingerprint,
-                                  PrefixIndex(client), threads=2, budget_bytes=budget, max_segment_blocks=2,
+                                  PrefixIndex(client), mac_key="bench-trace-mac-key", threads=2, budget_bytes=budget,
+                                  max_segment_blocks=2,
                                   reader_grace_s=0.0)
     rng = np.random.default_rng(0)
     hits, failed = [], 0

@@ -220,7 +220,7 @@ async def test_concurrent_writers_and_readers(store, index, shelf):
 
 async def test_non_file_volume_through_tensorstore(tmp_path, index):
     store = await BlockStore.open([{"driver": "memory"}], GEOMETRY, FP, index, mac_key=MAC_KEY, threads=2,
-                                  max_segment_blocks=3)
+                                  max_segment_blocks=3, budget_bytes=1 << 30)
     try:
         hashes = block_hashes(prompt(5, 60), FP, "t", 16)
         data = latents(5, 60)

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from kvstore import PrefixIndex, block_hashes, open_redis
+from kvstore import BlockStore, PrefixIndex, block_hashes, open_redis
+from kvstore.volume import BUDGET_KEY, DEFAULT_BUDGET_SHARE
 from tests.test_store_blocks import FP, GEOMETRY, index, latents, open_store, prompt, read_all  # noqa: F401
 
 
@@ -112,3 +113,29 @@ async def test_sweep_leaves_unknown_segments_to_reconciliation(store, tmp_path):
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert await store.capacity.sweep() == (0, 0)
     assert old.exists()
+
+
+async def test_default_budget_is_a_recorded_share_of_the_file_system(tmp_path, index):
+    """Never unlimited: without an explicit budget a file volume gets 80% of its file system's total
+    size, recorded in the volume on first open, so every later opener (kvstore, engines) applies
+    the same figure; an explicit budget wins; a volume on no file system needs one."""
+    store = await open_store(tmp_path, index, n_volumes=1)
+    try:
+        (vid, volume), = store.volumes.items()
+        fs = os.statvfs(tmp_path / "ssd0")
+        assert volume.default_budget_bytes == int(fs.f_blocks * fs.f_frsize * DEFAULT_BUDGET_SHARE)
+        assert store.capacity.budget_of(vid) == volume.default_budget_bytes
+        assert (tmp_path / "ssd0" / BUDGET_KEY).read_text() == str(volume.default_budget_bytes)
+    finally:
+        await store.close()
+    (tmp_path / "ssd0" / BUDGET_KEY).write_text("12345678")  # as recorded by the first opener
+    again = await open_store(tmp_path, index, n_volumes=1)
+    explicit = await open_store(tmp_path, index, n_volumes=1, budget_bytes=1 << 20)
+    try:
+        assert again.capacity.budget_of(vid) == 12345678
+        assert explicit.capacity.budget_of(vid) == 1 << 20
+    finally:
+        await again.close()
+        await explicit.close()
+    with pytest.raises(ValueError, match="not on a file system"):
+        await BlockStore.open([{"driver": "memory"}], GEOMETRY, FP, index, mac_key="k", threads=1)

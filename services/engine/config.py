@@ -32,7 +32,8 @@ class EngineConfig:
         "help": "read and save through the kvstore service instead of mounting the volumes"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
     index_prefix: str = field(default="dikv", metadata={"help": "key prefix of the prefix index"})
-    budget_bytes: int = field(default=0, metadata={"help": "per-volume byte budget (0 = unlimited)"})
+    budget_bytes: int = field(default=0, metadata={
+        "help": "per-volume byte budget (0: each volume's recorded default, 80% of its file system)"})
     block_tokens: int = field(default=64, metadata={"help": "tokens per cached block"})
     read_ahead: int = field(default=4, metadata={"help": "layers read ahead of compute on a hit (kv_bench: 4)"})
     save: bool = field(default=True, metadata={"help": "save new blocks after each request"})

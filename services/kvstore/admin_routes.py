@@ -37,7 +37,7 @@ def add_admin_routes(app: web.Application, store_key: web.AppKey, reconciler_key
         rows = []
         for vid, volume in store.volumes.items():
             rows.append({"id": vid, "name": volume.name, "spec": volume.spec, "used_bytes": used[vid],
-                         "budget_bytes": store.capacity.budget_bytes,
+                         "budget_bytes": store.capacity.budget_of(vid),
                          "segments": len(await store.ledger.records(vid)),
                          "reachable": await volume.reachable()})
         return web.json_response({"volumes": rows})

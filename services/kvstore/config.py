@@ -29,7 +29,8 @@ class KvstoreConfig:
     service_token: str = secret_field("bearer token every data endpoint needs (empty: all closed)")
     mac_key: str = secret_field("key of the segments' block MACs (empty: saves refused, reads are misses)")
     redis_password: str = secret_field("password of the prefix index's Redis user")
-    budget_gib: float = field(default=0.0, metadata={"help": "byte budget per volume in GiB (0: unlimited)"})
+    budget_gib: float = field(default=0.0, metadata={
+        "help": "byte budget per volume in GiB (0: 80% of each volume's file system, recorded in the volume)"})
     max_body_mib: int = field(default=512, metadata={"help": "largest request body accepted (MiB)"})
     max_segment_blocks: int = field(default=64, metadata={"help": "blocks per segment at most"})
     read_ahead: int = field(default=READ_AHEAD_LAYERS, metadata={"help": "layers in flight per prefetch"})

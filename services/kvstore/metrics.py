@@ -46,10 +46,10 @@ class StoreCollector:
         yield HistogramMetricFamily("kvstore_layer_read_seconds", "latency of one verified layer read of a hit",
                                     buckets=buckets, sum_value=h.total_s)
         used = GaugeMetricFamily("kvstore_volume_used_bytes", "bytes of live segments per volume", labels=["volume"])
-        budget = GaugeMetricFamily("kvstore_volume_budget_bytes", "byte budget per volume (0: none)", labels=["volume"])
+        budget = GaugeMetricFamily("kvstore_volume_budget_bytes", "byte budget per volume", labels=["volume"])
         for vid in self.store.volumes:
             used.add_metric([vid], self.volume_used.get(vid, 0))
-            budget.add_metric([vid], self.store.capacity.budget_bytes or 0)
+            budget.add_metric([vid], self.store.capacity.budget_of(vid))
         yield used
         yield budget
         if self.reconciler is not None:
