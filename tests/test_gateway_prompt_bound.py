@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.prompt_bound import CHUNK_BYTES, PromptBound, alnum_words
+from services.gateway.prompt_bound import CHUNK_CHARS, PromptBound, alnum_words, utf8_slices
 from services.gateway.tokenizer import shared_tokenizer
 
 TOKENIZER = shared_tokenizer()
@@ -30,11 +30,12 @@ def test_bound_never_exceeds_the_real_count(text):
     assert BOUND.min_tokens([text]) <= len(TOKENIZER.encode_text(text))
 
 
-def test_word_count_is_the_same_across_chunk_borders():
-    text = ("ab " * (CHUNK_BYTES // 3 + 7)).encode()
-    assert alnum_words(text) == CHUNK_BYTES // 3 + 7
-    glued = b"x" * (CHUNK_BYTES - 1) + b"yz w"  # one word across the border, then another
-    assert alnum_words(glued) == 2
+def test_word_count_is_the_same_across_slice_borders():
+    text = "ab " * (CHUNK_CHARS // 3 + 7)
+    assert alnum_words(utf8_slices(text)) == CHUNK_CHARS // 3 + 7
+    glued = "x" * (CHUNK_CHARS - 1) + "yz w"  # one word across the border, then another
+    assert alnum_words(utf8_slices(glued)) == 2
+    assert BOUND.min_tokens([glued]) == -(-len(glued) // 128)  # the byte bound counts every slice
 
 
 def test_a_long_text_of_words_is_bounded_tightly():

@@ -38,7 +38,7 @@ def _authorized(request: web.Request) -> tuple[GatewayState, Tenant]:
     return state, state.tenants.tenant_for(request.headers.get("Authorization"))
 
 
-async def _capped_body(request: web.Request, state: GatewayState) -> bytes:
+async def _capped_body(request: web.Request, state: GatewayState) -> bytearray:
     """The body, refused (413) as soon as it is longer than any prompt within the model's context
     can need (PromptBound.body_cap_bytes): by its Content-Length before reading, else while reading."""
     max_context = state.pool.max_context()
@@ -46,13 +46,12 @@ async def _capped_body(request: web.Request, state: GatewayState) -> bytes:
         state.config.max_body_bytes, state.prompt_bound.body_cap_bytes(max_context))
     if (request.content_length or 0) > cap:
         raise _too_large(cap)
-    chunks, size = [], 0
+    body = bytearray()  # grown in place: no list of chunks joined into a second copy
     while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > cap:
+        if len(body) + len(chunk) > cap:
             raise _too_large(cap)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
 def _too_large(cap: int) -> OpenAIError:

@@ -53,7 +53,7 @@ class CompletionRequest:
     retention: str = "chat"
 
 
-def parse_json_body(raw: bytes) -> dict:
+def parse_json_body(raw: bytes | bytearray) -> dict:
     def reject_constant(name: str) -> None:
         raise ValueError(f"{name} is not valid JSON")
     try:

@@ -13,6 +13,7 @@ tokenizing. The body itself is capped (`body_cap_bytes`) from the same figures b
 from __future__ import annotations
 
 import re
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -23,16 +24,23 @@ _SPACE[list(b" \t\n\r\x0b\x0c")] = True
 _ALNUM = np.zeros(256, bool)
 _ALNUM[list(b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")] = True
 _SPANNING = re.compile(rb"[0-9A-Za-z][^ \t\n\r\x0b\x0c]*[ \t\n\r\x0b\x0c]+[^ \t\n\r\x0b\x0c]*[0-9A-Za-z]")
-CHUNK_BYTES = 1 << 20  # the word count's working memory: ~9 bytes per input byte of one chunk
+CHUNK_CHARS = 1 << 20  # text is encoded and counted a slice at a time: ~9 bytes of working memory per byte
 JSON_ESCAPE_FACTOR = 6  # "\u00e9": the most bytes JSON spends on one byte of text
 BODY_OVERHEAD_BYTES = 1 << 20  # field names, roles, sampling parameters
 
 
-def alnum_words(data: bytes) -> int:
-    """Whitespace-separated runs of `data` that hold at least one ASCII letter or digit."""
+def utf8_slices(text: str) -> Iterator[bytes]:
+    """`text` as UTF-8, CHUNK_CHARS characters at a time (never the whole text encoded at once)."""
+    for start in range(0, len(text), CHUNK_CHARS):
+        yield text[start:start + CHUNK_CHARS].encode("utf-8", "surrogatepass")
+
+
+def alnum_words(slices: Iterable[bytes]) -> int:
+    """Whitespace-separated runs, over consecutive byte slices of one text, that hold at least one
+    ASCII letter or digit."""
     count, previous_was_alnum = 0, False
-    for start in range(0, len(data), CHUNK_BYTES):
-        chunk = np.frombuffer(data, np.uint8, min(CHUNK_BYTES, len(data) - start), start)
+    for data in slices:
+        chunk = np.frombuffer(data, np.uint8)
         events = np.flatnonzero(_SPACE[chunk] | _ALNUM[chunk])  # positions of a space or an alnum byte
         kinds = _ALNUM[chunk[events]]                            # True: alnum, False: space
         if kinds.size:
@@ -56,8 +64,15 @@ class PromptBound:
         """A lower bound of the tokens `texts` take, tokenized one by one."""
         total = 0
         for text in texts:
-            data = text.encode("utf-8", "surrogatepass")
-            total += max(-(-len(data) // self.longest_token_bytes), alnum_words(data))
+            n_bytes = 0
+
+            def counted(slices: Iterator[bytes]) -> Iterator[bytes]:
+                nonlocal n_bytes
+                for data in slices:
+                    n_bytes += len(data)
+                    yield data
+            words = alnum_words(counted(utf8_slices(text)))
+            total += max(-(-n_bytes // self.longest_token_bytes), words)
         return total
 
     def body_cap_bytes(self, max_context: int) -> int:
