@@ -2,7 +2,7 @@
 hit's lower bound and the do-it-yourself transformers alternative, in one run.
 
     sudo .venv/bin/python -m bench.ttft_bench [--lengths 1K,4K,16K] [--repeats 3]   # root: drop caches
-    python -m bench.ttft_bench --url http://host:8000 --admin-token T --model-dir DIR --volume-dir DIR
+    python -m bench.ttft_bench --url http://host:8000 --admin-token-file FILE --model-dir DIR --volume-dir DIR
 
 Per prompt length L (L - 64 tokens of prefix, then a 64-token new suffix) and per repeat, with fresh
 random token ids so a miss is a real miss:
@@ -215,7 +215,8 @@ def measure(args) -> dict:
             engine_pid = stack.procs["engine0"].pid
         else:
             engine_pid = args.engine_pid
-            driver = GatewayDriver(args.url, args.admin_token, engine_pid=engine_pid)
+            admin_token = Path(args.admin_token_file).read_text().strip()
+            driver = GatewayDriver(args.url, admin_token, engine_pid=engine_pid)
         result["phases_s"]["stack_start"] = time.perf_counter() - mark
         try:
             mark = time.perf_counter()
@@ -240,7 +241,8 @@ def measure(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="", help="a running gateway (default: start a fresh stack)")
-    parser.add_argument("--admin-token", default="", help="the running stack's admin token (with --url)")
+    parser.add_argument("--admin-token-file", default="", help="file holding the running stack's admin token "
+                        "(with --url; e.g. DATA_DIR/secrets/admin_token): a token on the command line is seen by `ps`")
     parser.add_argument("--model-dir", default="", help="the running stack's model directory (with --url)")
     parser.add_argument("--volume-dir", default="", help="a directory on the volume's device (with --url)")
     parser.add_argument("--engine-pid", type=int, default=0, help="engine process id for VmHWM (with --url)")
@@ -273,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report(result, result.get("command", COMMAND))
         print(tables(result))
         return 0
-    if args.url and not (args.admin_token and args.model_dir):
-        parser.error("--url needs --admin-token and --model-dir (the lower bound runs that model in-process)")
+    if args.url and not (args.admin_token_file and args.model_dir):
+        parser.error("--url needs --admin-token-file and --model-dir (the lower bound runs that model in-process)")
     given = list(argv if argv is not None else sys.argv[1:])
     notes = {i for i, a in enumerate(given) if a == "--note"}
     shown = [a for i, a in enumerate(given)  # the command as the report shows it: without notes
