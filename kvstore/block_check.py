@@ -13,12 +13,16 @@ import xxhash
 
 CHECKSUM = "xxh3_64"
 
-# dtype name -> (unsigned view, |x| bit mask, smallest |x| bit pattern that is Inf or NaN)
+# dtype name -> (signed view, unsigned view, smallest bit pattern of a positive Inf/NaN, of a negative one).
+# A positive value's pattern is non-finite iff it is >= the first limit; as a signed integer every
+# negative value is below every positive one, so the signed maximum finds those. A negative value's
+# pattern is non-finite iff it is >= the second limit, the top of the unsigned range, so the unsigned
+# maximum finds those. Two max reductions, no temporary array.
 _NONFINITE_FROM = {
-    "bfloat16": (np.uint16, 0x7FFF, 0x7F80),
-    "float16": (np.uint16, 0x7FFF, 0x7C00),
-    "float32": (np.uint32, 0x7FFFFFFF, 0x7F800000),
-    "float8_e4m3fn": (np.uint8, 0x7F, 0x7F),  # no Inf; 0x7F / 0xFF are NaN
+    "bfloat16": (np.int16, np.uint16, 0x7F80, 0xFF80),
+    "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
+    "float32": (np.int32, np.uint32, 0x7F800000, 0xFF800000),
+    "float8_e4m3fn": (np.int8, np.uint8, 0x7F, 0xFF),  # no Inf; 0x7F / 0xFF are NaN
 }
 
 
@@ -32,8 +36,10 @@ def block_checksums(rows: np.ndarray, block_tokens: int) -> np.ndarray:
 
 
 def nonfinite_blocks(rows: np.ndarray, block_tokens: int, dtype: str) -> np.ndarray:
-    """(n_blocks,) bool: which blocks of (n_blocks * block_tokens, latent_dim) hold a NaN or Inf.
-    One pass on the bit patterns (an exponent of all ones), with no float conversion."""
-    view, mask, limit = _NONFINITE_FROM[dtype]
-    bits = rows.view(view).reshape(rows.shape[0] // block_tokens, -1)
-    return np.bitwise_and(bits, view(mask)).max(axis=1) >= limit
+    """(n_blocks,) bool: which blocks of (n_blocks * block_tokens, latent_dim) hold a NaN or Inf
+    (an exponent of all ones), from the bit patterns: no float conversion, no temporary."""
+    signed, unsigned, positive_limit, negative_limit = _NONFINITE_FROM[dtype]
+    n_blocks = rows.shape[0] // block_tokens
+    positive = rows.view(signed).reshape(n_blocks, -1).max(axis=1) >= positive_limit
+    negative = rows.view(unsigned).reshape(n_blocks, -1).max(axis=1) >= negative_limit
+    return positive | negative

@@ -8,6 +8,7 @@ import pytest
 from kvstore import CacheGeometry, block_hashes
 import msgpack
 
+from kvstore.block_check import nonfinite_blocks
 from kvstore.block_mac import BlockMac
 from kvstore.segment import (PREAMBLE_BYTES, BlockFault, SegmentFormatError, SegmentPublication, SegmentVersionError,
                              block_checksums, copy_verified, decode_header, encode_segment)
@@ -135,3 +136,24 @@ def test_copy_verified_refuses_nonfinite_latents_even_with_a_matching_checksum(p
     expected = block_checksums(data, 16)  # the writer checksummed the NaN: the checksum passes
     source = memoryview(data.view(np.uint8).tobytes())
     assert copy_verified(source, 0, np.zeros_like(data), expected, 16, GEOMETRY.dtype) == (2, "nonfinite")
+
+
+@pytest.mark.parametrize("dtype, patterns, finite", [
+    ("bfloat16", [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF, 0x7FFF],
+     [0x7F7F, 0xFF7F, 0x8000, 0x0000, 0x0001, 0x8001, 0x3F80]),
+    ("float16", [0x7C00, 0xFC00, 0x7E00, 0xFFFF], [0x7BFF, 0xFBFF, 0x8000, 0x3C00]),
+    ("float32", [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF], [0x7F7FFFFF, 0xFF7FFFFF, 0x80000000, 0x3F800000]),
+    ("float8_e4m3fn", [0x7F, 0xFF], [0x7E, 0xFE, 0x80, 0x00]),  # e4m3fn: 0x7E is 448, no Inf
+])
+def test_nonfinite_blocks_finds_every_nan_and_inf_pattern_and_nothing_else(dtype, patterns, finite):
+    geometry = CacheGeometry(num_layers=1, latent_dim=64, block_tokens=4, dtype=dtype)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[geometry.np_dtype.itemsize]
+    for pattern in patterns:
+        rows = np.zeros((3 * 4, 64), unsigned)
+        rows[5, 7] = pattern  # block 1
+        assert nonfinite_blocks(rows.view(geometry.np_dtype), 4, dtype).tolist() == [False, True, False], hex(pattern)
+        if dtype != "float8_e4m3fn":
+            assert not np.isfinite(rows.view(geometry.np_dtype).astype(np.float32)[5, 7])
+    rows = np.array(finite * 64 * 3, unsigned)[:3 * 4 * 64].reshape(12, 64)
+    assert not nonfinite_blocks(rows.view(geometry.np_dtype), 4, dtype).any()
+    assert np.isfinite(rows.view(geometry.np_dtype).astype(np.float32)).all()
