@@ -6,14 +6,21 @@ import subprocess
 import sys
 import time
 
+import urllib.request
+
 import aiohttp
+import jsonschema
 import numpy as np
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
 
 from kvstore import PrefixIndex, block_hashes, open_redis
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
 from model.weights import load_model
+from services.engine.openapi_document import engine_openapi_document
 from services.gateway.engine_client import EngineClient
 from tests.conftest import free_port
 
@@ -237,3 +244,53 @@ async def test_progress_events_keep_a_long_wait_alive_under_a_short_read_timeout
             blocker.close()
     assert [type(e).__name__ for e in got] == ["TokenEvent"] * 3 + ["DoneEvent"]
     assert got[-1].finish_reason == "length" and got[-1].prompt_tokens == 3
+
+
+def _shorten(job: dict, document: dict) -> None:
+    """Keep a fuzzed job quick (a few prompt tokens, two generated) without changing whether it is
+    valid: only fields that are already valid are shortened."""
+    properties = document["paths"]["/internal/generate"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"]["properties"]
+    for name in ("tokens", "max_tokens"):
+        if name in job and jsonschema.Draft202012Validator(properties[name]).is_valid(job[name]):
+            job[name] = job[name][:64] if name == "tokens" else min(job[name], 2)
+
+
+def _engine_operations() -> list[tuple[str, str, str]]:
+    document = engine_openapi_document(vocab_size=2, max_context=2)
+    return [(method.upper(), path, mode) for path, item in document["paths"].items() for method in item
+            for mode in (("positive", "negative") if path == "/internal/generate" else ("positive",))]
+
+
+@pytest.mark.parametrize("method, path, mode", _engine_operations())
+def test_schemathesis_finds_no_server_error_in_the_engine_api(engine, method, path, mode):
+    """Schema-driven fuzzing of the engine's internal API with the service token: no 5xx, every
+    response as documented; a valid job streams events and never an error event."""
+    url, _, _ = engine
+    request = urllib.request.Request(url + "/openapi.json", headers=SERVICE)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        document = json.load(response)
+    operation = schemathesis.openapi.from_dict(document)[path][method]
+    job_schema = document["paths"]["/internal/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    valid_job = jsonschema.Draft202012Validator(job_schema)
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(operation.as_strategy(generation_mode=GenerationMode.POSITIVE if mode == "positive"
+                                 else GenerationMode.NEGATIVE))
+    def run(case):
+        valid = path == "/internal/generate" and valid_job.is_valid(case.body)
+        if path == "/internal/generate" and isinstance(case.body, dict):
+            _shorten(case.body, document)
+        # A negative case may be about the token itself: then it keeps its own.
+        own_token = mode == "negative" and "Authorization" in (case.headers or {})
+        response = case.call_and_validate(base_url=url, headers=None if own_token else SERVICE, timeout=60)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        assert response.status_code < 500, response.text[:300]
+        if valid and response.status_code == 200:
+            events = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+            assert events[-1]["type"] == "done" and not [e for e in events if e["type"] == "error"], events[-3:]
+
+    run()
+    assert statuses and max(statuses) < 500, statuses

@@ -27,12 +27,14 @@ from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
 from services.engine.core import Engine, QueueFull
 from services.engine.sequence import Job
+# INT31: token ids, max_tokens, top_k (far beyond any vocabulary or context); INT63: seeds (OpenAI's
+# seed is an int64) and the ints of a hit's segment runs. The document states them; parse_job applies them.
+from services.engine.openapi_document import INT31, INT63, RETENTION_CLASSES, engine_openapi_document
 from services.engine.model_source import open_model
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a 128K-token prompt is ~1 MB of JSON
-RETENTION_CLASSES = ("chat", "agent")
 # Below this the sampler's float32 logits / temperature overflow and it returns token 0; sampling
 # as the temperature goes to 0 is greedy. (Finite for |logits| < 3e8.)
 GREEDY_BELOW_TEMPERATURE = 1e-30
@@ -50,8 +52,6 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
                              status=status, headers=headers)
 
 
-INT31 = 1 << 31       # token ids, max_tokens, top_k: far beyond any vocabulary or context
-INT63 = 1 << 63       # seeds (OpenAI's seed is an int64) and the ints of a hit's segment runs
 SALT_HEX = re.compile(r"^(?:[0-9a-f]{32})?$")
 MAX_REQUEST_ID = 200  # characters
 
@@ -63,7 +63,7 @@ def _field(body: dict, name: str, kind, default=None, required: bool = False, lo
         if required:
             raise BadJob(f"'{name}' is required", name)
         return default
-    value = body[name]
+    value = _integral(body[name]) if kind is int else body[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         if not -INT63 <= value < INT63:
             raise BadJob(f"'{name}' is out of range", name)
@@ -77,10 +77,15 @@ def _field(body: dict, name: str, kind, default=None, required: bool = False, lo
     return value
 
 
+def _integral(value):
+    """JSON Schema's integers include 2.0: an integral finite float becomes an int (then range-checked)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _int_list(body: dict, name: str, required: bool = False) -> list[int]:
-    """A list of ints in [0, 2^31) (token ids): anything else (floats such as 1e400, bools, huge
-    ints) is a 400 naming the field, before numpy could overflow on it."""
-    values = _field(body, name, list, [], required)
+    """A list of ints in [0, 2^31) (token ids): anything else (floats such as 1e400 or 1.5, bools,
+    huge ints) is a 400 naming the field, before numpy could overflow on it."""
+    values = [_integral(v) for v in _field(body, name, list, [], required)]
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT31 for t in values):
         raise BadJob(f"'{name}' must be a list of integer token ids in [0, 2^31)", name)
     return values
@@ -125,16 +130,13 @@ def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, blo
     stored data against these, so a stale or wrong location can only ever be a miss."""
     if not raw:
         return miss()
-    if not isinstance(raw, dict) or not isinstance(raw.get("blocks"), int) or isinstance(raw["blocks"], bool) \
-            or not isinstance(raw.get("locations"), list):
+    hit_blocks = _integral(raw.get("blocks")) if isinstance(raw, dict) else None
+    if not isinstance(hit_blocks, int) or isinstance(hit_blocks, bool) or not isinstance(raw.get("locations"), list):
         raise BadJob("'hit' must be {\"blocks\": int, \"locations\": [...]}", "hit")
-    blocks = min(raw["blocks"], (tokens.size - 1) // block_tokens)
-    if blocks <= 0:
-        return miss()
     runs = []
     for item in raw["locations"]:
         try:
-            run = SegmentRun(**item)
+            run = SegmentRun(**{key: _integral(value) for key, value in item.items()})
             numbers = (run.first, run.count, run.n_blocks, run.data_offset)
             if not (isinstance(run.volume, str) and isinstance(run.segment, str)
                     and VOLUME_ID.match(run.volume) and SEGMENT_ID.match(run.segment)) \
@@ -144,8 +146,10 @@ def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, blo
         except (TypeError, ValueError):
             raise BadJob("'hit.locations' holds a malformed segment run", "hit") from None
         runs.append(run)
-    if sum(run.count for run in runs) < raw["blocks"]:
-        raise BadJob("'hit.locations' cover fewer blocks than 'hit.blocks'", "hit")
+    # Locations covering fewer blocks than claimed: only what they cover can be read (a wrong hit is a miss).
+    blocks = min(hit_blocks, sum(run.count for run in runs), (tokens.size - 1) // block_tokens)
+    if blocks <= 0:
+        return miss()
     hashes = block_hashes(tokens[: blocks * block_tokens].tolist(), fingerprint, salt, block_tokens)
     return Hit(hashes[0], tuple(hashes), tuple(runs)).truncated(blocks)
 
@@ -285,6 +289,13 @@ def build_app(cfg: EngineConfig) -> web.Application:
     async def admin_stats(_: web.Request) -> web.Response:
         return web.json_response(state.stats())
 
+    async def openapi(_: web.Request) -> web.Response:
+        if not state.ready:
+            return _error(503, "the engine is still loading its model", kind="service_unavailable",
+                          headers={"Retry-After": "2"})
+        config = state.loaded.config
+        return web.json_response(engine_openapi_document(config.vocab_size, config.max_context))
+
     async def on_startup(_: web.Application) -> None:
         app["loader"] = asyncio.create_task(state.start())
 
@@ -304,6 +315,7 @@ def build_app(cfg: EngineConfig) -> web.Application:
 
     app.router.add_get("/admin/stats", admin_stats)
     app.router.add_post("/admin/memory-tier/drop", admin_drop_memory_tier)
+    app.router.add_get("/openapi.json", openapi)
     add_metrics_route(app, state.metrics.registry)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

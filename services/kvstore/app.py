@@ -21,6 +21,7 @@ from . import wire
 from .admin_routes import add_admin_routes
 from .config import KvstoreConfig
 from .metrics import StoreCollector
+from .openapi_document import kvstore_openapi_document
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def create_app(config: KvstoreConfig) -> web.Application:
     app.router.add_delete("/v1/segments/{segment}", delete_segment)
     app.router.add_post("/v1/read", read_layer)
     app.router.add_post("/v1/lookup", lookup)
+    app.router.add_get("/openapi.json", openapi)
 
     async def readiness() -> dict[str, bool]:
         store = app[STORE]
@@ -156,6 +158,10 @@ async def lookup(request: web.Request) -> web.Response:
     message = await _message(request)
     hit = await store.index.lookup(wire.parse_hashes(message))
     return web.Response(body=msgpack.packb(wire.encode_hit(hit)), content_type=wire.MSGPACK)
+
+
+async def openapi(_: web.Request) -> web.Response:
+    return web.json_response(kvstore_openapi_document())
 
 
 async def delete_segment(request: web.Request) -> web.Response:
