@@ -136,6 +136,8 @@ def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, blo
     runs = []
     for item in raw["locations"]:
         try:
+            if not isinstance(item, dict):
+                raise TypeError(item)
             run = SegmentRun(**{key: _integral(value) for key, value in item.items()})
             numbers = (run.first, run.count, run.n_blocks, run.data_offset)
             if not (isinstance(run.volume, str) and isinstance(run.segment, str)
