@@ -306,12 +306,20 @@ def test_a_segment_written_without_the_mac_key_is_never_served(stack):
             await redis.aclose()
 
     asyncio.run(forge())
+    _drop_memory_tiers(stack)  # so the repeat must come from disk, where the forged segment is
     attacked = _completion(stack, "key-a", tokens)
     assert attacked["choices"][0]["text"] == first["choices"][0]["text"]
     assert attacked["usage"]["prompt_cache_hit_tokens"] == 0
     assert sum(admin_stats(url)["store"]["forged_segments"] for url in stack.engine_urls) >= 1
     wait_for_saves(stack)
     assert _completion(stack, "key-a", tokens)["usage"]["prompt_cache_hit_tokens"] == len(hashes) * B
+
+
+def _drop_memory_tiers(stack) -> None:
+    """Empty every engine's memory tier (pages of finished requests), so a repeat reads from disk."""
+    for url in stack.engine_urls:
+        reply = http("POST", url + "/admin/memory-tier/drop", b"", {"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        assert reply.status == 200, reply
 
 
 def _rewrite_segments(stack, before: Stored, change) -> int:
@@ -351,6 +359,7 @@ def test_nan_latents_and_swapped_words_are_served_as_misses(stack):
             raw[at:at + row.nbytes] = row.tobytes()
         assert _rewrite_segments(stack, before, change)
         failures = sum(admin_stats(url)["store"]["verification_failures"] for url in stack.engine_urls)
+        _drop_memory_tiers(stack)
         again = _completion(stack, "key-a", tokens)
         assert again["choices"][0]["text"] == first["choices"][0]["text"], damage
         assert again["usage"]["prompt_cache_hit_tokens"] == 0, damage
