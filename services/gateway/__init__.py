@@ -1,8 +1,10 @@
 """The gateway: the public OpenAI/DeepSeek-compatible API in front of the engines.
 
 Request path, one file per step:
-  openai_requests     body -> frozen request dataclass (errors: openai_errors)
-  chat_template       messages -> token ids (tokenizer, token_cache)
+  tenants             API key -> tenant, its secret salt; key_limits: its concurrency and tokens per minute
+  openai_requests     body -> frozen request dataclass (errors: openai_errors); prompt_bound refuses a
+                      text that cannot fit the context before it is tokenized
+  chat_template       messages -> token ids (tokenizer, token_cache: per tenant)
   engine_router       block hashes + prefix_lookup + least-loaded engine (engine_pool,
                       engine_client), retried until the first token
   answer_stream       engine tokens -> text deltas (detokenizer, stop_strings)
