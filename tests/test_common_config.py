@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.common import ConfigError, load_config
+from services.engine.config import EngineConfig
+from services.gateway.config import GatewayConfig
 from services.kvstore.config import KvstoreConfig
+from services.launcher import StackConfig
 
 
 @dataclass
@@ -44,3 +47,27 @@ def test_kvstore_config_validates_itself():
     with pytest.raises(ConfigError, match="port"):
         load_config(KvstoreConfig, "kvstore", ["--fingerprint", "fp", "--num-layers", "8", "--volume", "v",
                                                "--port", "70000"], {})
+
+
+@pytest.mark.parametrize("cls, prefix", [(KvstoreConfig, "kvstore"), (EngineConfig, "engine"),
+                                         (GatewayConfig, "gateway"), (StackConfig, "up")])
+def test_help_lists_flags_and_the_secret_variables(cls, prefix, capsys):
+    """--help renders (a bare % in a help text used to crash it) and names each secret's variables."""
+    with pytest.raises(SystemExit) as done:
+        load_config(cls, prefix, ["--help"], {})
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert f"DEEPINFER_{prefix.upper()}_ADMIN_TOKEN[_FILE]" in text and "--admin-token" not in text
+
+
+def test_secret_from_a_file_drops_one_newline_and_refuses_both_sources(tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
+    env = {"DEEPINFER_KVSTORE_SERVICE_TOKEN_FILE": str(tmp_path / "token")}
+    config = load_config(KvstoreConfig, "kvstore", ["--fingerprint", "f", "--num-layers", "1", "--volume", "v"], env)
+    assert config.service_token == "s3cret" and "s3cret" not in repr(config)
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(KvstoreConfig, "kvstore", ["--fingerprint", "f", "--num-layers", "1", "--volume", "v"],
+                    env | {"DEEPINFER_KVSTORE_SERVICE_TOKEN": "x"})
+    with pytest.raises(ConfigError, match="must not contain a password"):
+        load_config(KvstoreConfig, "kvstore", ["--fingerprint", "f", "--num-layers", "1", "--volume", "v",
+                                               "--redis-url", "redis://u:pw@h:1/0"], {})

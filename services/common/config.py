@@ -107,6 +107,7 @@ def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
         if is_secret(f):
             continue
         help_text = f"{f.metadata.get('help', '')} ({_default_text(f)}; env {env_name(prefix, f.name)})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %: "80% of" would crash --help
         if kind is bool:
             parser.add_argument(_flag(f), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
