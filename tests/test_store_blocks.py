@@ -42,6 +42,8 @@ async def open_store(where, index, n_volumes=2, fingerprint=FP, **options) -> Bl
     options.setdefault("max_segment_blocks", 4)
     options.setdefault("reader_grace_s", 0.0)
     options.setdefault("mac_key", MAC_KEY)
+    if isinstance(shelf, S3Shelf):  # an object-store volume has no file system to take a default budget from
+        options.setdefault("budget_bytes", 1 << 30)
     return await BlockStore.open(volumes, GEOMETRY, fingerprint, index, threads=2, **options)
 
 

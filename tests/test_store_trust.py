@@ -74,10 +74,10 @@ async def test_saving_nonfinite_latents_is_refused(store, index):
     assert (await index.lookup(hashes)).blocks == 0
 
 
-async def test_a_store_with_another_key_reads_nothing_of_this_one(store, index, tmp_path):
+async def test_a_store_with_another_key_reads_nothing_of_this_one(store, index, shelf):
     hashes = block_hashes(prompt(2, 24), FP, "t", GEOMETRY.block_tokens)
     await store.save(hashes, latents(2, 24))
-    other = await open_store(tmp_path, index, mac_key="another-deployment")
+    other = await open_store(shelf, index, mac_key="another-deployment")  # the same volumes
     try:
         _, valid = await read_all(other, await index.lookup(hashes))
         assert valid == 0 and other.stats.forged_segments >= 1
