@@ -45,12 +45,13 @@ async def flush(index: PrefixIndex) -> None:
         await index.redis.flushall()
 
 
-async def write_orphan(store, seed: int, written_at: float, ttl_s: int = DAY_S, fingerprint: str = FP) -> tuple:
+async def write_orphan(store, seed: int, written_at: float, ttl_s: int = DAY_S, fingerprint: str = FP,
+                       mac_key: str = MAC_KEY) -> tuple:
     """A segment object written as a save writes it, but never published (its writer died)."""
     hashes = block_hashes(prompt(2, seed), fingerprint, "t", 16)
     data = latents(2, seed)
     publication = SegmentPublication(hashes[0], "chat", ttl_s, int(written_at) + ttl_s)
-    payload, _ = encode_segment(fingerprint, GEOMETRY, "t", hashes, data, BlockMac(MAC_KEY), publication=publication)
+    payload, _ = encode_segment(fingerprint, GEOMETRY, "t", hashes, data, BlockMac(mac_key), publication=publication)
     segment = secrets.token_hex(16)
     await next(iter(store.volumes.values())).write(segment, payload)
     return hashes, data, segment
@@ -160,6 +161,19 @@ async def test_orphans_are_republished_expired_ones_deleted_young_ones_left(stor
     assert sum((await store.ledger.used(list(store.volumes))).values()) == used - saved.bytes + orphan_bytes
     assert (await Reconciler(store, min_age_s=0).run()).outcomes["republished"] == 1  # now old enough
     assert (await index.lookup(young)).blocks == 2
+
+
+async def test_a_segment_written_without_the_mac_key_is_quarantined_not_republished(store, index):
+    """A well-formed orphan with a perfect publication record, written by someone without the
+    deployment's MAC key (a volume writer, after the index was lost): never published, so never
+    served; moved aside and counted."""
+    forged, _, segment = await write_orphan(store, 21, time.time() - 7200, mac_key="not the deployment's")
+    genuine, _, _ = await write_orphan(store, 22, time.time() - 7200)
+    report = await Reconciler(store, min_age_s=0).run()
+    reasons = {q["segment"]: q["reason"] for q in report.quarantined}
+    assert "MAC does not verify" in reasons[segment] and report.outcomes["republished"] == 1
+    assert (await index.lookup(forged)).blocks == 0 and (await index.lookup(genuine)).blocks == 2
+    assert store.stats.forged_segments == 1
 
 
 async def test_an_evicted_segment_is_never_republished(tmp_path, index):
