@@ -47,12 +47,10 @@ def test_a_signal_stops_every_service_valkey_last(tmp_path, signum, to_group, ba
             "--gateway-port", str(free_port()), "--kvstore-port", str(free_port()),
             "--engine-port", str(free_ports(1)), "--redis-port", str(free_port())]
 
-    def as_background_job() -> None:
-        if background:  # what a non-interactive shell does for `cmd &`
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+    if background:  # what a non-interactive shell does for `cmd &`: SIGINT ignored, inherited by exec
+        argv = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *argv]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True, preexec_fn=as_background_job)
+                          start_new_session=True)
     lines = []
     try:
         deadline = time.monotonic() + 400
