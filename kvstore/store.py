@@ -188,14 +188,18 @@ class BlockStore(SegmentReader):
         return segment_object_bytes(self.geometry, self.fingerprint, tenant, blocks)
 
     async def _place(self, sizes: list[int]) -> list[Volume]:
-        """A volume per segment: least used first (round-robin among equals), making room if needed;
-        volumes whose last write failed recently only when every volume's did."""
+        """A volume per segment: least used first (round-robin among equals) among those whose budget
+        can hold it, making room if needed; volumes whose last write failed recently only when every
+        volume's did."""
         used = await self.ledger.used(list(self.volumes))
         now = time.monotonic()
         writable = [v for v in self.volumes if self._resting_until.get(v, 0.0) <= now]
         chosen = []
         for size in sizes:
             order = writable or list(self.volumes)
+            # a volume whose budget cannot hold the segment at all (a small file system's default
+            # share) is left out while another can
+            order = [v for v in order if self.capacity.budget_of(v) >= size] or order
             order = order[self._next_volume % len(order):] + order[:self._next_volume % len(order)]
             self._next_volume += 1
             vid = min(order, key=lambda v: used[v])
