@@ -22,13 +22,18 @@ class BlockMac:
     """The deployment's MAC key and the MACs it makes and checks."""
 
     def __init__(self, mac_key: str) -> None:
-        if not mac_key:
-            raise ValueError("mac_key must be a non-empty secret (the deployment's MAC key)")
+        """An empty key is no key: no block verifies (every read is a miss) and none can be made."""
         # BLAKE2b keys are at most 64 bytes: a longer (or any) secret is hashed down to 32.
-        self._key = hashlib.sha256(b"dikv-mac-key\x00" + mac_key.encode()).digest()
+        self._key = hashlib.sha256(b"dikv-mac-key\x00" + mac_key.encode()).digest() if mac_key else None
+
+    @property
+    def keyed(self) -> bool:
+        return self._key is not None
 
     def block(self, version: int, fingerprint: str, block_hash: bytes, checksums: np.ndarray) -> bytes:
         """MAC of one block; `checksums` is (num_layers,) uint64, the block's checksum in each layer."""
+        if self._key is None:
+            raise ValueError("no MAC key configured: blocks cannot be stored")
         mac = hashlib.blake2b(key=self._key, digest_size=MAC_BYTES, person=_PERSON)
         mac.update(version.to_bytes(4, "little"))
         mac.update(fingerprint.encode() + b"\x00")
@@ -43,6 +48,8 @@ class BlockMac:
     def first_forged(self, version: int, fingerprint: str, hashes: tuple[bytes, ...], checksums: np.ndarray,
                      macs: bytes) -> int | None:
         """Index of the first block whose stored MAC does not verify (constant-time compare), or None."""
+        if self._key is None:
+            return 0 if hashes else None
         for i, h in enumerate(hashes):
             expected = self.block(version, fingerprint, h, checksums[:, i])
             if not hmac.compare_digest(expected, macs[i * MAC_BYTES:(i + 1) * MAC_BYTES]):

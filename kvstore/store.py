@@ -118,6 +118,9 @@ class BlockStore(SegmentReader):
         Raises ValueError naming a bad argument, SegmentWriteError if the data could not be
         made durable or published (then no unpublished data is left behind).
         """
+        if not self.mac.keyed:
+            self.stats.write_failures += 1
+            raise SegmentWriteError("no MAC key configured (mac_key): nothing can be stored")
         ttl = self.retention.ttl_s(retention, ttl_s)
         new = self._check_save(hashes, layers, start_block)
         spans = [(first, min(self.max_segment_blocks, new - first)) for first in range(0, new, self.max_segment_blocks)]

@@ -96,9 +96,8 @@ class Stack:
         self.quiet = quiet
         self.data = Path(cfg.data_dir).absolute()
         self.logs = self.data / "logs"
-        self.secrets: DeploymentSecrets = load_or_create(
-            self.data / "secrets", {name: getattr(cfg, name) for name in DeploymentSecrets._fields})
-        self.admin_token = self.secrets.admin_token
+        self.secrets: DeploymentSecrets | None = None  # loaded (or created) by start(), after the preflight
+        self.admin_token = cfg.admin_token
         self.volumes = cfg.volumes or [str(self.data / "volumes" / f"vol{i}") for i in range(4)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.instances: dict[str, str] = {}  # name -> the instance id its process was started with
@@ -121,6 +120,12 @@ class Stack:
         problems = preflight(self.cfg, self.data, self.volumes)
         if problems:
             raise StartRefused(problems)
+        try:
+            self.secrets = load_or_create(self.data / "secrets",
+                                          {name: getattr(self.cfg, name) for name in DeploymentSecrets._fields})
+        except OSError as error:  # e.g. a secret file readable by others
+            raise StartRefused([f"deployment secrets in {self.data / 'secrets'}: {error}"]) from None
+        self.admin_token = self.secrets.admin_token
         self.logs.mkdir(parents=True, exist_ok=True)
         model_dir = self.cfg.model_dir or str(ensure_preset(self.cfg.preset, self.data / "models"))
         if problem := model_dir_problem(Path(model_dir), self.cfg.cache_dtype):  # a broken preset dir

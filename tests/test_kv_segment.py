@@ -91,8 +91,10 @@ def test_macs_bind_key_fingerprint_hash_and_checksums():
     changed = h.checksums.copy()
     changed[2, 2] ^= 1
     assert MAC.first_forged(2, "fp", h.hashes, changed, h.macs) == 2
-    with pytest.raises(ValueError):
-        BlockMac("")
+    keyless = BlockMac("")  # no key: nothing verifies, nothing can be made
+    assert not keyless.keyed and keyless.first_forged(2, "fp", h.hashes, h.checksums, h.macs) == 0
+    with pytest.raises(ValueError, match="no MAC key"):
+        keyless.block(2, "fp", h.hashes[0], h.checksums[:, 0])
 
 
 def test_checksum_catches_flips_zeroed_swapped_rows_and_swapped_words():
