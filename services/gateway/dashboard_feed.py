@@ -14,6 +14,7 @@ import aiohttp
 from prometheus_client import generate_latest
 
 from services.common.metrics_text import Samples
+from services.common.service_auth import bearer_headers
 from services.gateway.gateway_state import GatewayState
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -23,9 +24,11 @@ TIER_HIT_TOKENS = "deepinfer_engine_prefix_hit_tokens_total"
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> Samples | None:
+async def _scrape(session: aiohttp.ClientSession, url: str, service_token: str) -> Samples | None:
+    """A service's /metrics, read with the service token (the internal plane's credential)."""
     try:
-        async with session.get(url + "/metrics", timeout=PROBE_TIMEOUT) as response:
+        async with session.get(url + "/metrics", timeout=PROBE_TIMEOUT,
+                               headers=bearer_headers(service_token)) as response:
             if response.status != 200:
                 return None
             return Samples(await response.text())
@@ -86,9 +89,9 @@ def kvstore_numbers(url: str, samples: Samples | None) -> dict:
 
 async def dashboard_snapshot(state: GatewayState) -> dict:
     config = state.config
-    engine_scrapes = [_scrape(state.session, url.rstrip("/")) for url in config.engines]
+    engine_scrapes = [_scrape(state.session, url.rstrip("/"), config.service_token) for url in config.engines]
     kvstore_url = config.kvstore_url.rstrip("/")
-    scraped = await asyncio.gather(*engine_scrapes, _scrape(state.session, kvstore_url) if kvstore_url
+    scraped = await asyncio.gather(*engine_scrapes, _scrape(state.session, kvstore_url, config.service_token) if kvstore_url
                                    else asyncio.sleep(0), state.lookup.ready())
     engines, kvstore, redis_ready = scraped[:-2], scraped[-2], scraped[-1]
     return {"time": time.time(),
