@@ -60,10 +60,11 @@ def _post(url: str, token: str = "", timeout_s: float = 30.0) -> bytes:
         return response.read()
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a /metrics page, keyed `name` or `name{label="value",...}`."""
+def scrape(url: str, token: str = "") -> dict[str, float]:
+    """Every sample of a /metrics page (read with the admin token: the engines' needs a token), keyed
+    `name` or `name{label="value",...}`."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(_get(url + "/metrics").decode()):
+    for family in text_string_to_metric_families(_get(url + "/metrics", token).decode()):
         for sample in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
@@ -117,8 +118,8 @@ class GatewayDriver:
         return time.perf_counter() - begin
 
     def _counters(self) -> dict[str, float]:
-        engines = [scrape(url) for url in self.engine_urls]
-        gateway = scrape(self.gateway_url)
+        engines = [scrape(url, self.admin_token) for url in self.engine_urls]
+        gateway = scrape(self.gateway_url, self.admin_token)
         total = {name: sum(_total(s, name) for s in engines)
                  for name in (ENGINE_TTFT_SUM, ENGINE_STALL, ENGINE_LOADED_BYTES, ENGINE_LOADED_TOKENS,
                               ENGINE_FALLBACKS)}
