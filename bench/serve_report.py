@@ -119,4 +119,5 @@ def write(result: dict, name: str) -> None:
               f"{inter['long_together_ttft_s']:.1f}"]]), ""]
     body += ["Goals, as measured in this run:", *goals(result), ""]
     body += [f"![serve_bench](bench/results/{image})" for image in images]
-    report.update_section("Serving (serve_bench)", "\n".join(body))
+    title = "Serving (serve_bench)" if "sweep" in result["phases"] else "Serving: a long prefill among streams (serve_bench)"
+    report.update_section(title, "\n".join(body))
