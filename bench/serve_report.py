@@ -108,7 +108,9 @@ def write(result: dict, name: str) -> None:
             f"{result['requests']} requests of {result['sessions']} Mooncake conversation sessions (>= 3 turns), "
             f"{result['hash_tokens']} token ids per trace hash id (median prompt {result['prompt_tokens_median']:.0f} "
             f"tokens), outputs capped at {result['max_output']} tokens. Metrics as vLLM's benchmark_serving; "
-            "percentiles are nearest-rank over the run's requests.", "", report.markdown_table(HEADER, rows), ""]
+            "percentiles are nearest-rank over the run's requests.", ""]
+    if rows:
+        body += [report.markdown_table(HEADER, rows), ""]
     if inter:
         body += [report.markdown_table(
             ["streams", "long prompt", "idle TPOT p50 / p99 ms", "gap during the long prefill p50 / p99 ms",
