@@ -101,7 +101,7 @@ def engine_config(tmp_path, redis_url: str | None = None, **overrides) -> Engine
     cache = {}
     if redis_url:
         cache = {"redis_url": redis_url, "volumes": [str(tmp_path / "v0"), str(tmp_path / "v1")],
-                 "index_prefix": f"batching{abs(hash(tmp_path)) % 10**8}"}
+                 "index_prefix": f"batching{abs(hash(tmp_path)) % 10**8}", "mac_key": "batching-test-mac-key"}
     return EngineConfig(**({"pool_tokens": 64 * 400, "heartbeat_s": 0.2} | cache | overrides))
 
 
