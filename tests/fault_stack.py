@@ -291,7 +291,8 @@ async def read_saved_prefixes(stack: Stack, volumes: list[str], contents: list[s
     token_cache = TokenCache(shared_tokenizer(), 16 << 20)
     redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster, password=stack.secrets.redis_password)
     index = PrefixIndex(redis)
-    store = await BlockStore.open(volumes, geometry, fingerprint, index, mac_key=stack.secrets.mac_key, threads=2)
+    store = await BlockStore.open(volumes, geometry, fingerprint, index, mac_key=stack.secrets.mac_key, threads=2,
+                                  budget_bytes=1 << 40)
     try:
         found = []
         for content in contents:
@@ -317,8 +318,9 @@ async def audit_index(stack: Stack, volumes: list[str]) -> int:
     the number of entries checked; raises AssertionError naming the first bad one."""
     geometry, fingerprint = _store_identity(stack)
     redis = open_redis(stack.redis_url, cluster=stack.cfg.redis_cluster, password=stack.secrets.redis_password)
+    # A reader's budget never matters, but object-store volumes need one stated.
     store = await BlockStore.open(volumes, geometry, fingerprint, PrefixIndex(redis), mac_key=stack.secrets.mac_key,
-                                  threads=2)
+                                  threads=2, budget_bytes=1 << 40)
     try:
         entries = 0
         async for key in redis.scan_iter(match=b"dikv:{*}:b:*", count=1000):

@@ -31,7 +31,10 @@ RELIABILITY = Path(__file__).resolve().parent.parent / "RELIABILITY.md"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    running = start_tiny_stack(tmp_path_factory.mktemp("load"), engines=2, api_keys="key-load:tenant-load")
+    # 64 clients share one key here: lift the gateway's per-key limit on requests in flight (16 by default).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DEEPINFER_GATEWAY_KEY_MAX_CONCURRENT", "64")
+        running = start_tiny_stack(tmp_path_factory.mktemp("load"), engines=2, api_keys="key-load:tenant-load")
     yield running
     running.stop()
 

@@ -17,10 +17,15 @@ from tests.volume_shelf import BUCKET, S3Shelf
 pytestmark = pytest.mark.timeout(600)
 
 
+# The deployment's secrets, given to both hosts as two hosts of one deployment would have them: with
+# salt and MAC keys of their own, neither host could compute or verify the other's blocks.
+SHARED = {"salt_key": secrets.token_hex(32), "mac_key": secrets.token_hex(32)}
+
+
 def host(data, redis_url: str, volumes: list[str]) -> Stack:
     cfg = StackConfig(preset="tiny", data_dir=str(data), engines=1, gateway_port=free_port(),
                       kvstore_port=free_port(), engine_port=free_ports(1), redis_url=redis_url, redis_cluster=True,
-                      volumes=volumes, ready_timeout_s=400)
+                      volumes=volumes, budget_gib=1.0, ready_timeout_s=400, **SHARED)  # s3 needs a stated budget
     return Stack(cfg, quiet=True)
 
 

@@ -53,7 +53,7 @@ def test_a_sigkilled_stack_restarted_with_the_same_arguments_hits_what_it_cached
         answer, usage = chat(stack, content)
         assert usage.prompt_cache_hit_tokens == 0
         wait_for_saves(stack)
-        index = redis.Redis.from_url(stack.redis_url)
+        index = redis.Redis.from_url(stack.redis_url, password=stack.secrets.redis_password)
         index.set("test:marker", 1)  # WAITAOF: every write so far (the saves' too) is fsynced to the AOF
         assert index.execute_command("WAITAOF", 1, 0, 10_000)[0] == 1
         index.close()
