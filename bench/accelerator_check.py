@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.moe_bench import median_seconds
 from bench.report import OUT, machine, markdown_table, update_section
 from model.config import preset
 
@@ -39,16 +39,6 @@ PATHS = ("routed", "tiles", "ragged_dot", "all_experts")  # the MoE section's co
 # The V2-Lite structure with every width cut down, for --small.
 SMALL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
          "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}
-
-
-def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
 
 
 def check_devices(args) -> dict:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import numpy as np
 
 from bench import report
+from bench.moe_bench import median_seconds
 from model.config import preset
 from model.paged_runner import DecodeRow, LatentPool, PagedRunner
 from model.runner import _pow2
@@ -23,16 +22,6 @@ from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.weights import init_model
 
 COMMAND = "python -m bench.decode_bench"
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()  # compiles
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
 
 
 def measure(args) -> dict:
@@ -55,7 +44,7 @@ def measure(args) -> dict:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
         for name, runner in (("default", default), ("invariant", invariant)):
-            step[name] = _median_s(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
+            step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
         out["decode"][str(n)] = step | {"tokens_per_s_default": n / step["default"],
                                         "tokens_per_s_invariant": n / step["invariant"]}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
@@ -72,7 +61,7 @@ def measure(args) -> dict:
         return run
 
     for name, size in (("solo", args.solo_tokens), ("invariant", args.step_tokens)):
-        out["prefill"][name] = {"segment_tokens": size, "seconds": _median_s(segments(size), args.repeats)}
+        out["prefill"][name] = {"segment_tokens": size, "seconds": median_seconds(segments(size), args.repeats)}
         print(f"prefill {args.prefill} tokens in {size}-token segments: {out['prefill'][name]['seconds']:.2f} s",
               flush=True)
     out["load_average_end"] = os.getloadavg()[0]

@@ -88,8 +88,7 @@ class Engine:
         """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context
         or for the pool."""
         self.runner.check_tokens(job.tokens, job.params.max_tokens)
-        need = -(-(job.tokens.size + job.params.max_tokens) // self.B)
-        if need > self.pages.usable:
+        if self.scheduler.pages_for(job.tokens.size + job.params.max_tokens) > self.pages.usable:
             raise TooLarge(f"prompt of {job.tokens.size} tokens (+{job.params.max_tokens} to generate) does not "
                            f"fit this engine's latent pool of {self.pages.usable * self.B} tokens")
 
