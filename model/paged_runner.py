@@ -128,8 +128,36 @@ def _gather_view(pool_PBA, table_Q, dtype):
     return _view(pool_PBA, table_Q, dtype)
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pools, tokens_B, positions_B, tables_BQ):
+def _attend_decode(attn, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA, dtype) -> jax.Array:
+    """Absorbed MLA attention of one query per sequence over its own (S, A) view of earlier positions
+    and its own new latent (B, A), which is not in the view; returns (B, D).
+
+    As FlashMLA does it: keys are the whole 576-wide latent ([c_kv | k_pe], so the scores are one
+    contraction and no slice of the view is copied) and values its first 512 columns; the two big
+    products take `dtype` inputs (the cache dtype by default: the view is not widened) and accumulate
+    and soften in float32. The new token's own key joins the softmax as one more column instead of being
+    scattered into the view, which made XLA:CPU copy the whole view every layer. With dtype float32 it
+    is the dense runner's attention, summed in another order."""
+    B, S, C = kv_BSA.shape[0], kv_BSA.shape[1], attn.kv_lora_rank
+    q_lat_BNC = jnp.einsum("nbh,cnh->bnc", q_nope_NBH, attn.w_uk[...])
+    q_BNA = jnp.concatenate([q_lat_BNC, q_pe_NBR.transpose(1, 0, 2)], axis=-1).astype(dtype)
+    kv_BSA, new_BA = kv_BSA.astype(dtype), latents_BA.astype(dtype)
+    scores_BNS = jnp.einsum("bsa,bna->bns", kv_BSA, q_BNA, preferred_element_type=jnp.float32) * attn.scale
+    scores_BNS = jnp.where((jnp.arange(S)[None, :] < positions_B[:, None])[:, None], scores_BNS, -jnp.inf)
+    own_BN = jnp.einsum("ba,bna->bn", new_BA, q_BNA, preferred_element_type=jnp.float32) * attn.scale
+    top_BN = jnp.maximum(jnp.max(scores_BNS, axis=-1), own_BN)
+    weights_BNS = jnp.exp(scores_BNS - top_BN[..., None])
+    own_BN = jnp.exp(own_BN - top_BN)
+    total_BN = jnp.sum(weights_BNS, axis=-1) + own_BN
+    out_BNA = jnp.einsum("bns,bsa->bna", weights_BNS.astype(dtype), kv_BSA, preferred_element_type=jnp.float32)
+    out_BNA = (out_BNA + own_BN[..., None] * new_BA[:, None].astype(jnp.float32)) / total_BN[..., None]
+    out_BNV = jnp.einsum("bnc,cnv->bnv", out_BNA[..., :C].astype(q_nope_NBH.dtype), attn.w_uv[...])
+    return attn.o_proj(out_BNV.reshape(B, -1))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 9))
+def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pools, tokens_B, positions_B, tables_BQ,
+                  attention_dtype):
     """One decode token for each of B sequences through every layer: (logits (B, V) float32, the tokens'
     latents (L, B, A)). The pools are only read here; `_write_latents` stores the new latents after: a
     scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool."""
@@ -141,14 +169,9 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pool
         h_BD = layer.input_norm(x_BD)
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
         latents_BA = layer.attn.latents(h_BD, positions_B)
-        view = Q * pool_PBA.shape[1]
-        kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, view, -1)
-        kv_BSA = kv_BSA.at[jnp.arange(B), positions_B].set(latents_BA, mode="promise_in_bounds")
-
-        def attend(q_nope_NH, q_pe_NR, position, kv_SA, attn=layer.attn):
-            return attn.attend(q_nope_NH[:, None], q_pe_NR[:, None], position[None], kv_SA, view, None)[0]
-
-        x_BD = x_BD + jax.vmap(attend, in_axes=(1, 1, 0, 0))(q_nope_NBH, q_pe_NBR, positions_B, kv_BSA)
+        kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, Q * pool_PBA.shape[1], -1)
+        x_BD = x_BD + _attend_decode(layer.attn, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA,
+                                     attention_dtype or layer.attn.cache_dtype)
         x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
         latents.append(latents_BA)
     head = nnx.merge(head_def, head_state)
@@ -180,12 +203,15 @@ class PagedRunner:
     """The engine's model: decode batches and prefill segments over a LatentPool."""
 
     def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, chunk_tokens: int = 512,
-                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0):
+                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0,
+                 decode_attention_dtype: str | None = None):
         # The dense runner's weights split per layer and its chunking rule are reused as they are.
         self.dense = ModelRunner(model, cfg, chunk_tokens, attention, attention_budget_bytes)
         self.cfg, self.pool = cfg, pool
         self.page = pool.page_tokens
         self.fixed_batch = fixed_batch  # batch-invariant mode: every decode batch padded to this size
+        # Input dtype of decode attention's two big products (None: the cache dtype, as FlashMLA).
+        self.decode_attention_dtype = jnp.dtype(decode_attention_dtype).name if decode_attention_dtype else None
         self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
         self._layer_states = [state for _, state in self.dense.layers]
 
@@ -222,7 +248,8 @@ class PagedRunner:
             tables[i] = self._table(r.pages, view)
         head_def, head_state = self.dense.head
         logits, latents = _decode_batch(self._layer_defs, head_def, self.dense.embed_VD, self._layer_states,
-                                        head_state, self.pool.layers, tokens, positions, tables)
+                                        head_state, self.pool.layers, tokens, positions, tables,
+                                        self.decode_attention_dtype)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits[:n]
 
