@@ -110,7 +110,8 @@ def _write_slots(pool_PBA, slots_T, latents_TA):
 
 def _view(pool_PBA, table_Q, dtype):
     """Pages table_Q of the pool as dense (Q * B, A) latents at cache dtype."""
-    return jax.lax.bitcast_convert_type(pool_PBA[table_Q], jnp.dtype(dtype)).reshape(-1, pool_PBA.shape[-1])
+    pages = pool_PBA.at[table_Q].get(mode="promise_in_bounds")
+    return jax.lax.bitcast_convert_type(pages, jnp.dtype(dtype)).reshape(-1, pool_PBA.shape[-1])
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
