@@ -262,3 +262,18 @@ async def test_pool_accounting_after_a_mix_of_requests_cancellations_and_preempt
         assert run.engine.pages.owned_pages == 0
         assert run.metrics.preemptions._value.get() >= 1
         assert run.metrics.prefix_hit_tokens.labels("memory")._value.get() > 0
+
+
+async def test_an_answer_that_outgrows_the_pool_is_cut_with_length_not_refused(tiny, tmp_path):
+    """Prompt + max_tokens larger than the whole pool: admitted, answered until its pages fill the pool,
+    finished with "length"; a prompt that alone does not fit is refused (TooLarge)."""
+    cfg = engine_config(tmp_path, pool_tokens=64 * 5, max_batch=2)
+    async with Running(tiny, cfg) as run:
+        usable = run.engine.pages.usable * cfg.block_tokens
+        ids, _, done = await run.generate(run.job(prompt(7, usable - 20), max_tokens=500, digest=False))
+        # every pool slot holds a latent (the prompt's and 20 answer tokens'); the 21st token needs none
+        assert done["finish_reason"] == "length" and len(ids) == 21, (len(ids), done)
+        with pytest.raises(ValueError, match="does not fit"):
+            run.engine.check(run.job(prompt(8, usable + 1), max_tokens=1))
+        await run.idle()
+        run.check_pages()

@@ -86,11 +86,11 @@ class Engine:
 
     def check(self, job: Job) -> None:
         """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context
-        or for the pool."""
+        or for the pool. An answer that would outgrow the pool is cut there ("length"), not refused."""
         self.runner.check_tokens(job.tokens, job.params.max_tokens)
-        if self.scheduler.pages_for(job.tokens.size + job.params.max_tokens) > self.pages.usable:
-            raise TooLarge(f"prompt of {job.tokens.size} tokens (+{job.params.max_tokens} to generate) does not "
-                           f"fit this engine's latent pool of {self.pages.usable * self.B} tokens")
+        if self.scheduler.pages_for(job.tokens.size + 1) > self.pages.usable:
+            raise TooLarge(f"prompt of {job.tokens.size} tokens does not fit this engine's latent pool of "
+                           f"{self.pages.usable * self.B} tokens")
 
     async def run(self, job: Job) -> AsyncIterator[dict]:
         """The request's events: a first 'progress' (admitted to the queue), tokens, then 'done'."""
@@ -307,6 +307,9 @@ class Engine:
             if seq.status is not Status.RUNNING or seq.computed // self.B < len(seq.pages):
                 continue
             while self.pages.available() == 0:
+                if len(seq.pages) >= self.pages.usable:  # it alone fills the pool: its answer ends here
+                    self._finish(seq, "length")
+                    break
                 victim = self.scheduler.youngest()
                 log.info("pool full: preempting request %s (%d tokens)", victim.request_id, victim.computed)
                 self.metrics.preemptions.inc()
