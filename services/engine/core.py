@@ -58,7 +58,8 @@ class Engine:
                                    * np.dtype(model_cfg.cache_dtype).itemsize)
         self.latents = LatentPool(model_cfg, num_pages, self.B)
         self.runner = PagedRunner(loaded.model, model_cfg, self.latents, chunk_tokens=cfg.chunk_tokens,
-                                  fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0)
+                                  fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0,
+                                  decode_attention_dtype=cfg.decode_attention_dtype or None)
         self.pages = PagePool(num_pages, cfg.memory_tier)
         self.scheduler = Scheduler(self.pages, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens,
                                                               cfg.solo_tokens, cfg.batch_invariant))
