@@ -91,16 +91,28 @@ def ensure_model(args) -> Path:
 
 
 async def sweep(args, url: str, sessions, result: dict) -> None:
+    """Closed loops at each concurrency, then the Poisson run. With --peer-url the peer runs each level
+    right after ours (same sessions, same order), so the load of this shared machine hits both alike."""
     out = result["sweep"] = {}
-    async with Client(url) as client:
+    peer_out = None
+    if args.peer_url:
+        peer_out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
+    async with Client(url) as client, Client(args.peer_url or url, model=args.peer_model) as peer:
         # Warm-up: compiles the shapes of this workload once, outside every measurement.
         await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
+        if peer_out is not None:
+            await closed_loop(peer, [s[:1] for s in sessions[-4:]], 4)
         for c in args.concurrency:
             picked = level_sessions(args, sessions, c)
             say(f"closed loop, {c} users, {len(picked)} sessions ({sum(map(len, picked))} requests)")
             results, duration = await closed_loop(client, picked, c)
             out[str(c)] = summarize(results, duration)
             _said(out[str(c)])
+            if peer_out is not None:
+                say(f"{args.peer_name}: closed loop, {c} users, {len(picked)} sessions")
+                results, duration = await closed_loop(peer, picked, c)
+                peer_out["sweep"][str(c)] = summarize(results, duration)
+                _said(peer_out["sweep"][str(c)])
             report.write_json(args.name + "_partial", result)  # a run cut short keeps what it measured
         if args.rate:
             used = sum(max(args.min_sessions, c) for c in sorted(set(args.concurrency) | {args.cache_concurrency}))
@@ -179,8 +191,7 @@ def _said(s: dict) -> None:
 
 
 async def peer_sweep(args, sessions, result: dict) -> None:
-    """The sweep's closed loops against another OpenAI-compatible server (e.g. llama.cpp's llama-server on
-    the same weights), same sessions, same order."""
+    """The sweep's closed loops against the peer alone (when the sweep phase did not run them)."""
     out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
     async with Client(args.peer_url, model=args.peer_model) as client:
         await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
@@ -211,7 +222,7 @@ def measure(args) -> dict:
     if "cache" in args.phases:
         with StackRun(args, cache=False, name="off") as url:
             asyncio.run(cache_off(args, url, sessions, result))
-    if args.peer_url:
+    if args.peer_url and "sweep" not in args.phases:
         asyncio.run(peer_sweep(args, sessions, result))
     result["wall_s"] = time.perf_counter() - begin
     result["load_average_end"] = os.getloadavg()[0]

@@ -122,4 +122,6 @@ def write(result: dict, name: str) -> None:
     body += ["Goals, as measured in this run:", *goals(result), ""]
     body += [f"![serve_bench](bench/results/{image})" for image in images]
     title = "Serving (serve_bench)" if "sweep" in result["phases"] else "Serving: a long prefill among streams (serve_bench)"
+    if peer:
+        title = f"Serving beside {peer['name']} (llama_peer + serve_bench)"
     report.update_section(title, "\n".join(body))
