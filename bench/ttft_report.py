@@ -78,7 +78,8 @@ def summarize(result: dict) -> list[dict]:
                "load_at_raw_s": prefix_bytes / (raw_gbps * 1e9),
                "load_at_memcpy_s": prefix_bytes / (memcpy_gbps * 1e9),
                "breakdown": {kind: _breakdown(req.get(kind, [])) for kind in HITS},
-               "engine_peak_rss_bytes": req.get("engine_peak_rss_bytes")}
+               "engine_peak_rss_bytes": req.get("engine_peak_rss_bytes"),
+               "fallbacks": sum(h["fallbacks"] for kind in HITS for h in req.get(kind, []))}
         row["compute_at_peak_s"] = row["flops"] / (peak * 1e9)
         row["physical_device_s"] = max(row["load_at_raw_s"], row["compute_at_peak_s"])
         row["physical_ram_s"] = max(row["load_at_memcpy_s"], row["compute_at_peak_s"])
@@ -181,6 +182,9 @@ def goals(result: dict) -> list[str]:
                      "in-process suffix compute with the prefix in RAM: "
                      + ", ".join(f"{_k(r['tokens'])} {x:.2f}x" for r, x in cpu)
                      + " (1 = the hit costs exactly the suffix compute)")
+    cut = [f"{_k(r['tokens'])} {r['fallbacks']:.0f}" for r in result["summary"] if r["fallbacks"]]
+    if cut:
+        lines.append("- hits the engine cut short and recomputed (verification failure or load deadline): " + ", ".join(cut))
     return lines
 
 
