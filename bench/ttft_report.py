@@ -112,10 +112,10 @@ def tables(result: dict) -> str:
     s = result["summary"]
     ours = report.markdown_table(
         ["prompt", "miss s", "first hit s (fresh stack)", "cold hit s (fresh stack)", "warm disk hit s",
-         "memory hit s", "miss / cold hit", "fresh stack: start s (stop s)", "engine VmHWM GiB (misses)"],
+         "memory hit s", "miss / cold hit", "fresh stack: start s", "stop s", "engine VmHWM GiB (misses)"],
         [[_k(r["tokens"]), fmt(r["miss"]), *(fmt(r[kind]) for kind in HITS),
           f"{r['ratios']['cold_hit']['speedup']:.1f}x",
-          f"{fmt(r['restart']['start_s'], 1)} ({fmt(r['restart']['stop_s'], 1)})" if r["restart"]["start_s"] else "-",
+          fmt(r["restart"]["start_s"], 1), fmt(r["restart"]["stop_s"], 1),
           f"{r['engine_peak_rss_bytes'] / 2**30:.1f}" if r["engine_peak_rss_bytes"] else "-"] for r in s])
     bounds = report.markdown_table(
         ["prompt", "suffix GFLOP absorbed / expanded", "FLOPs / matmul peak s", "prefix MiB",
@@ -124,7 +124,7 @@ def tables(result: dict) -> str:
         [[_k(r["tokens"]), f"{r['flops_absorbed'] / 1e9:.1f} / {r['flops_expanded'] / 1e9:.1f}",
           f"{r['compute_at_peak_s']:.3f}", f"{r['prefix_bytes'] / 2**20:.0f}", f"{r['load_at_raw_s']:.3f}",
           f"{r['load_at_memcpy_s']:.3f}", f"{r['physical_device_s']:.3f} / {r['physical_ram_s']:.3f}",
-          f"{r['in_process_s']:.3f} ({r['load_at_raw_s']:.3f}, {fmt(r['compute'], 3)})"] for r in s])
+          f"{r['in_process_s']:.3f} ({r['load_at_raw_s']:.3f}, {r['compute']['median']:.3f})"] for r in s])
     ratios = report.markdown_table(
         ["prompt", "hit", "TTFT s", "physical bound s", "TTFT / physical bound", "TTFT / in-process bound",
          "miss / hit"],
