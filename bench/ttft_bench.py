@@ -46,12 +46,11 @@ from bench.kv_bench import drop_caches
 from bench.ttft_client import GatewayDriver, peak_rss_bytes
 from bench.ttft_lower_bound import raw_device, suffix_compute
 from bench.ttft_physical_bound import matmul_peak, memcpy_gbps, suffix_flops
+from bench.ttft_report import HITS, goals, summarize, tables, write_report
 from bench.ttft_stack import BenchStack
 from model.weights import read_identity
-from bench.ttft_report import goals, summarize, tables, write_report
 
 BLOCK_TOKENS = 64
-HITS = ("first_hit", "cold_hit", "warm_hit", "memory_hit")
 COMMAND = "sudo .venv/bin/python -m bench.ttft_bench"  # root only to drop the page cache
 
 

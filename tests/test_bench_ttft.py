@@ -60,7 +60,7 @@ def test_tiny_run_measures_miss_fresh_stack_hits_bounds_and_baseline(tmp_path):
     # One restart per repeat: every process new, the index kept (the hits below are hits).
     [restart] = requests["restarts"]
     assert restart["start_s"] > 0 and restart["stop_s"] > 0 and not restart["dropped"]
-    for kind in ttft_bench.HITS:
+    for kind in ttft_report.HITS:
         [hit] = requests[kind]
         assert hit["cached_tokens"] == hit["loaded_tokens"] == n - 64
         assert hit["client_ttft_s"] >= hit["gateway_ttft_s"] >= hit["engine_ttft_s"] > 0
@@ -74,7 +74,7 @@ def test_tiny_run_measures_miss_fresh_stack_hits_bounds_and_baseline(tmp_path):
     assert row["in_process_s"] >= row["compute"]["median"] > 0
     assert row["physical_device_s"] >= row["load_at_raw_s"] > 0
     assert row["physical_ram_s"] >= row["compute_at_peak_s"] > 0
-    assert set(row["ratios"]) == set(ttft_bench.HITS)
+    assert set(row["ratios"]) == set(ttft_report.HITS)
     for kind, ratio in row["ratios"].items():
         assert ratio["vs_physical"] > 0 and ratio["vs_in_process"] > 0 and ratio["speedup"] > 0
         assert ratio["physical_s"] == (row["physical_device_s"] if kind in ("first_hit", "cold_hit")
