@@ -184,7 +184,8 @@ def goals(result: dict) -> list[str]:
                      + " (1 = the hit costs exactly the suffix compute)")
     cut = [f"{_k(r['tokens'])} {r['fallbacks']:.0f}" for r in result["summary"] if r["fallbacks"]]
     if cut:
-        lines.append("- hits the engine cut short and recomputed (verification failure or load deadline): " + ", ".join(cut))
+        lines.append("- hits the engine cut short and recomputed (verification failure or load deadline): "
+                     + ", ".join(cut))
     return lines
 
 
