@@ -1,18 +1,28 @@
-"""ttft_bench: time to first token through the gateway on a miss, a cold hit and a warm hit, against the
-hit's lower bound and the do-it-yourself transformers alternative, in one run.
+"""ttft_bench: time to first token through the gateway on a miss and on hits from a freshly started
+stack, from the page cache and from the engine's memory tier, against each hit's physical lower bound,
+the in-process bound and the do-it-yourself transformers alternative, in one run.
 
-    sudo .venv/bin/python -m bench.ttft_bench [--lengths 1K,4K,16K] [--repeats 3]   # root: drop caches
+    sudo .venv/bin/python -m bench.ttft_bench [--lengths 2K,8K] [--repeats 3]   # root: drop caches
     python -m bench.ttft_bench --url http://host:8000 --admin-token-file FILE --model-dir DIR --volume-dir DIR
 
 Per prompt length L (L - 64 tokens of prefix, then a 64-token new suffix) and per repeat, with fresh
 random token ids so a miss is a real miss:
-  miss       the whole prompt, nothing cached
-  cold hit   the same prefix + a new suffix after `sync; echo 3 > drop_caches`
-  warm hit   the same prefix + another new suffix, page cache warm
-TTFT = client side, request sent -> first streamed chunk (max_tokens 1). Saves are waited for before
-each hit. Beside it: the hit's lower bound max(prefix bytes / raw device bandwidth, suffix compute with
-the prefix in RAM), measured in this run; and transformers' DeepseekV3ForCausalLM (float32, sdpa) on the
-same weights: miss = prefill from scratch, hit = torch.load of the prefix's DynamicCache + suffix prefill.
+  miss        the whole prompt, nothing cached
+  first hit   a restarted stack's first request (every process stopped, page cache dropped, the same
+              stack started again on the same data dir and durable index): a cached prefix + a new suffix
+  cold hit    then, page cache dropped again, another cached prefix + a new suffix (a process that never
+              read it, so nothing of it is mapped or cached)
+  warm hit    the same prefix + another new suffix, the engine's memory tier emptied, page cache warm
+  memory hit  the same prefix again, from the engine's pool
+With --url (someone else's stack) there is no restart: no first hit, and the cold hit is only the page
+cache dropped under a running engine (which keeps the segments it mapped). Stack start-up is timed
+and reported, never counted in a TTFT. TTFT = client side, request sent -> first streamed chunk
+(max_tokens 1). Saves are waited for before each hit.
+Bounds, measured in this run: physical = max(prefix bytes / read bandwidth (raw device O_DIRECT for a
+prefix on disk, memcpy for one in RAM), suffix FLOPs in the cheaper MLA form / jnp matmul peak)
+(bench.ttft_physical_bound); in-process = max(prefix bytes / raw device, suffix compute of our own
+ModelRunner with the prefix in RAM). transformers' DeepseekV3ForCausalLM (float32, sdpa) on the same
+weights: miss = prefill from scratch, hit = torch.load of the prefix's DynamicCache + suffix prefill.
 By default a fresh stack (preset mini, 1 engine) runs in a temporary directory under --dir.
 Writes bench/out/<name>.json, bench/results/ttft_*.png and the "TTFT (ttft_bench)" BENCHMARKS.md section.
 """
@@ -32,10 +42,13 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import report
-from bench.kv_bench import drop_caches, free_port
+from bench.kv_bench import drop_caches
 from bench.ttft_client import GatewayDriver, peak_rss_bytes
 from bench.ttft_lower_bound import raw_device, suffix_compute
-from bench.ttft_report import goals, summarize, tables, write_report
+from bench.ttft_physical_bound import matmul_peak, memcpy_gbps, suffix_flops
+from bench.ttft_report import HITS, goals, summarize, tables, write_report
+from bench.ttft_stack import BenchStack
+from model.weights import read_identity
 
 BLOCK_TOKENS = 64
 COMMAND = "sudo .venv/bin/python -m bench.ttft_bench"  # root only to drop the page cache
@@ -102,37 +115,57 @@ def run_transformers(args, workdir: Path, lengths: list[int], build_model_dir: b
 
 def misses_at(args, n: int) -> int:
     """Misses (fresh prefixes) per length: every repeat, except --long-misses at --long-from tokens and up,
-    whose hit repeats then reuse those prefixes (each hit still has a new suffix, cold ones a dropped cache)."""
-    return args.repeats if n < args.long_from else max(1, min(args.repeats, args.long_misses))
+    whose hit repeats then reuse those prefixes (each hit still has a new suffix, cold ones a dropped cache).
+    At least two when the stack restarts for cold hits: a fresh stack's first request reads another prefix."""
+    misses = args.repeats if n < args.long_from else max(1, min(args.repeats, args.long_misses))
+    return max(2, misses) if args.restartable else misses
 
 
-def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_pid: int | None,
+def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], stack: BenchStack | None,
                        result: dict) -> dict:
     """Fills result["requests"] length by length, writing bench/out/<name>_partial.json after each, so a
-    run cut short still leaves what it measured (--report-from renders it)."""
+    run cut short still leaves what it measured (--report-from renders it).
+
+    Per repeat, with a restartable stack: restart (every process, page cache dropped), then
+      first_hit   the fresh stack's first request: another cached prefix of the same length (cold disk,
+                  and the process's first request of this shape: tracing, compile-cache reads)
+      cold_hit    page cache dropped again, the repeat's prefix + a new suffix: cold disk, warm process
+    then, in that process, a warm disk hit (page cache warm, memory tier emptied) and a memory hit."""
     out = result["requests"] = {}
-    total = sum(misses_at(args, n) + 1 + 3 * args.repeats for n in lengths)  # misses, warm-up, cold + warm + memory
+    per_repeat = 4 if stack is not None else 3
+    total = sum(misses_at(args, n) + 1 + per_repeat * args.repeats for n in lengths)
     bar = tqdm(total=total, desc="requests via gateway", unit="req")
     for n in lengths:
-        rows: dict = {"miss": [], "cold_hit": [], "warm_hit": [], "memory_hit": [], "saves_wait_s": []}
+        rows: dict = {"miss": [], "first_hit": [], "cold_hit": [], "warm_hit": [], "memory_hit": [],
+                      "restarts": [], "saves_wait_s": []}
         prefixes = []
         for _ in range(misses_at(args, n)):
             prefixes.append(driver.fresh_tokens(n - args.suffix))
             rows["miss"].append(driver.complete(prefixes[-1] + driver.fresh_tokens(args.suffix))._asdict())
             bar.update()
             rows["saves_wait_s"].append(driver.wait_for_saves())
-        # compiles this length's hit shapes in the engine (if not already cached)
+        # compiles this length's hit shapes (into the persistent compilation cache, for restarts too)
         driver.complete(prefixes[0] + driver.fresh_tokens(args.suffix))
         driver.wait_for_saves()
         bar.update()
+        engine_pid = stack.engine_pid if stack is not None else driver.engine_pid
+        rows["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None  # misses' peak
         for rep in range(args.repeats):
-            # Disk hits: the engines' memory tier is emptied first, so the prefix comes from the volumes.
             prefix = prefixes[rep % len(prefixes)]
-            driver.drop_memory_tier()
+            if stack is not None:
+                rows["restarts"].append(stack.restart(args.drop)._asdict())
+                driver.engine_pid = stack.engine_pid if args.engines == 1 else None
+                other = prefixes[(rep + 1) % len(prefixes)]
+                rows["first_hit"].append(driver.complete(other + driver.fresh_tokens(args.suffix))._asdict())
+                bar.update()
+                driver.wait_for_saves()
+            else:  # someone else's stack: the page cache is dropped, but the engine keeps what it mapped
+                driver.drop_memory_tier()
             args.drop()
             rows["cold_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
             bar.update()
             driver.wait_for_saves()
+            # A warm disk hit: the memory tier emptied, the segments in the page cache (and mapped).
             driver.drop_memory_tier()
             rows["warm_hit"].append(driver.complete(prefix + driver.fresh_tokens(args.suffix))._asdict())
             bar.update()
@@ -142,17 +175,13 @@ def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], engine_p
             bar.update()
             driver.wait_for_saves()
         unexpected = [r["cached_tokens"] for r in rows["miss"] if r["cached_tokens"] != 0]
-        unexpected += [r["cached_tokens"] for k in ("cold_hit", "warm_hit", "memory_hit") for r in rows[k]
-                       if r["cached_tokens"] != n - args.suffix]
+        unexpected += [r["cached_tokens"] for k in HITS for r in rows[k] if r["cached_tokens"] != n - args.suffix]
         if unexpected:
             say(f"{n}: unexpected cached token counts {unexpected}")
-        rows["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None
         out[str(n)] = rows
         report.write_json(args.name + "_partial", result)
-        say(f"{n}: miss {statistics.median(r['client_ttft_s'] for r in rows['miss']):.2f} s, cold hit "
-            f"{statistics.median(r['client_ttft_s'] for r in rows['cold_hit']):.2f} s, warm hit "
-            f"{statistics.median(r['client_ttft_s'] for r in rows['warm_hit']):.2f} s, memory hit "
-            f"{statistics.median(r['client_ttft_s'] for r in rows['memory_hit']):.2f} s")
+        say(f"{n}: " + ", ".join(f"{k.replace('_', ' ')} {statistics.median(r['client_ttft_s'] for r in rows[k]):.2f} s"
+                                 for k in ("miss",) + HITS if rows[k]))
     bar.close()
     return out
 
@@ -167,6 +196,7 @@ def measure(args) -> dict:
     work.mkdir(parents=True)
     can_drop = drop_caches() if not args.no_drop else False
     args.drop = drop_caches if can_drop else (lambda: False)
+    args.restartable = not args.url
     if not can_drop:
         say("page cache not dropped (--no-drop or not root): 'cold' hits are warm")
     own = not args.url
@@ -198,31 +228,35 @@ def measure(args) -> dict:
         say(f"raw: {result['raw_device']['dd_gbps']:.2f} GB/s dd, {result['raw_device']['parallel_gbps']:.2f} GB/s "
             "8 parallel readers")
 
+        say("physical bound: matmul peak (jnp, float32 and bfloat16) and memcpy bandwidth")
+        result["matmul_peak"] = dict(matmul_peak()._asdict(), load_average=os.getloadavg()[0])
+        result["memcpy_gbps"] = memcpy_gbps()
+        say(f"matmul peak {result['matmul_peak']['float32_gflops']:.0f} GFLOP/s float32, "
+            f"{result['matmul_peak']['bfloat16_gflops']:.0f} bfloat16; memcpy {result['memcpy_gbps']:.1f} GB/s")
+        model_cfg, _ = read_identity(model_dir)
+        result["model_config"] = model_cfg.to_json()
+        result["suffix_flops"] = {str(n): suffix_flops(model_cfg, n - args.suffix, args.suffix)._asdict()
+                                  for n in lengths}
+
         mark = time.perf_counter()
         stack = None
         if own:
-            from services.launcher import Stack, StackConfig
-            cfg = StackConfig(preset=args.preset, model_dir=str(model_dir), data_dir=str(work / "stack"),
-                              engines=args.engines, gateway_port=free_port(), kvstore_port=free_port(),
-                              engine_port=free_port(), redis_port=free_port(), ready_timeout_s=600)
-            say(f"starting a stack ({args.engines} engine(s)) in {cfg.data_dir}")
+            stack = BenchStack(args.preset, model_dir, work / "stack", args.engines)
+            say(f"starting a stack ({args.engines} engine(s)) in {stack.cfg.data_dir}")
             # A long miss on a busy machine can take more than the gateway's default 600 s to its first token.
             os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
-            stack = Stack(cfg, quiet=True).start()
+            stack.start()
             # ports: engine replicas take engine_port + i, so with >1 engine a clash is possible (rare)
-            engine_pid = stack.procs["engine0"].pid if args.engines == 1 else None
-            driver = GatewayDriver(stack.gateway_url, stack.admin_token, stack.engine_urls, engine_pid=engine_pid)
-            engine_pid = stack.procs["engine0"].pid
+            driver = GatewayDriver(stack.gateway_url, stack.admin_token, stack.engine_urls,
+                                   engine_pid=stack.engine_pid if args.engines == 1 else None)
         else:
-            engine_pid = args.engine_pid
             admin_token = Path(args.admin_token_file).read_text().strip()
-            driver = GatewayDriver(args.url, admin_token, engine_pid=engine_pid)
+            driver = GatewayDriver(args.url, admin_token, engine_pid=args.engine_pid or None)
         result["phases_s"]["stack_start"] = time.perf_counter() - mark
         try:
             mark = time.perf_counter()
-            run_stack_requests(args, driver, lengths, engine_pid, result)
+            run_stack_requests(args, driver, lengths, stack, result)
             result["phases_s"]["requests"] = time.perf_counter() - mark
-            result["engine_peak_rss_bytes"] = peak_rss_bytes(engine_pid) if engine_pid else None
         finally:
             if stack is not None:
                 stack.stop()
@@ -248,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-pid", type=int, default=0, help="engine process id for VmHWM (with --url)")
     parser.add_argument("--preset", default="mini", help="model preset of the stack this bench starts")
     parser.add_argument("--engines", type=int, default=1, help="engine replicas of the stack this bench starts")
-    parser.add_argument("--lengths", default="1K,4K,16K",
-                        help="prompt lengths in tokens (1K = 1024); 32K adds ~15 min of misses, hence not default")
+    parser.add_argument("--lengths", default="2K,8K",
+                        help="prompt lengths in tokens (1K = 1024); 16K adds ~5 min of misses on mini, "
+                        "hence not default")
     parser.add_argument("--suffix", type=int, default=64, help="new tokens after the cached prefix")
     parser.add_argument("--repeats", type=int, default=3, help="repeats per point (median and min-max)")
     parser.add_argument("--long-from", type=int, default=16384, help="prompts this long count as slow points")

@@ -47,7 +47,7 @@ class Timed(NamedTuple):
     engine_cpu_s: float | None  # CPU time the engine process used meanwhile (vs wall time: contention)
 
 
-def _get(url: str, token: str = "", timeout_s: float = 10.0) -> bytes:
+def http_get(url: str, token: str = "", timeout_s: float = 10.0) -> bytes:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
         return response.read()
@@ -64,7 +64,7 @@ def scrape(url: str, token: str = "") -> dict[str, float]:
     """Every sample of a /metrics page (read with the admin token: the engines' needs a token), keyed
     `name` or `name{label="value",...}`."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(_get(url + "/metrics", token).decode()):
+    for family in text_string_to_metric_families(http_get(url + "/metrics", token).decode()):
         for sample in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
@@ -92,7 +92,7 @@ class GatewayDriver:
         self.engine_pid = engine_pid
 
     def _engines_from_gateway(self) -> list[str]:
-        stats = json.loads(_get(self.gateway_url + "/admin/stats", self.admin_token))
+        stats = json.loads(http_get(self.gateway_url + "/admin/stats", self.admin_token))
         return [engine["url"] for engine in stats["engines"]]
 
     def fresh_tokens(self, n: int) -> list[int]:
@@ -105,7 +105,7 @@ class GatewayDriver:
             _post(url + "/admin/memory-tier/drop", self.admin_token)
 
     def pending_saves(self) -> int:
-        return sum(json.loads(_get(url + "/admin/stats", self.admin_token))["pending_saves"]
+        return sum(json.loads(http_get(url + "/admin/stats", self.admin_token))["pending_saves"]
                    for url in self.engine_urls)
 
     def wait_for_saves(self, timeout_s: float = 300.0) -> float:

@@ -1,6 +1,7 @@
-"""ttft_bench, what a hit cannot beat: reading the prefix's latents at the raw device's speed, and
+"""ttft_bench, the in-process bound: reading the prefix's latents at the raw device's speed, and
 computing the suffix with the prefix already in RAM (in-process ModelRunner, same model directory and
-the engine's chunking), whichever is longer, since the engine overlaps the two.
+the engine's chunking), whichever is longer. What a hit through the stack adds to it is serving
+overhead; the physical bound (ttft_physical_bound) is what the model code itself could gain.
 """
 from __future__ import annotations
 

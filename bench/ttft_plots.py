@@ -30,11 +30,14 @@ def ttft_vs_length(summary: list[dict], path: Path, title: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _line(ax, summary, "miss", "DeepInfer miss", "o-")
-    _line(ax, summary, "cold_hit", "DeepInfer hit, cold page cache", "s-")
-    _line(ax, summary, "warm_hit", "DeepInfer hit, warm page cache", "^-")
+    _line(ax, summary, "first_hit", "DeepInfer hit, fresh stack's first request", "v-")
+    _line(ax, summary, "cold_hit", "DeepInfer hit, fresh stack, cold page cache", "s-")
+    _line(ax, summary, "warm_hit", "DeepInfer disk hit, warm page cache", "^-")
     _line(ax, summary, "memory_hit", "DeepInfer hit, engine memory tier", "d-")
     x = [r["tokens"] for r in summary]
-    ax.plot(x, [r["lower_bound_s"] for r in summary], "k--", label="hit lower bound max(load@raw, compute)")
+    ax.plot(x, [r["in_process_s"] for r in summary], "k--", label="in-process bound max(load@raw, our compute)")
+    ax.plot(x, [r["physical_device_s"] for r in summary], "k:", label="physical bound, prefix on disk")
+    ax.plot(x, [r["physical_ram_s"] for r in summary], color="grey", ls=":", label="physical bound, prefix in RAM")
     _line(ax, summary, "hf_miss", "transformers miss", "o:")
     _line(ax, summary, "hf_cold_hit", "transformers hit (torch.load, cold)", "s:")
     ax.set_xscale("log", base=2)
@@ -54,12 +57,16 @@ def hit_speedup(summary: list[dict], path: Path, title: str, goal: float) -> Non
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["tokens"] for r in summary]
-    for key, label, style in (("speedup_cold", "DeepInfer miss / cold hit", "s-"),
-                              ("speedup_warm", "DeepInfer miss / warm hit", "^-"),
-                              ("hf_speedup", "transformers miss / cold hit", "o:")):
-        pts = [(r["tokens"], r[key]) for r in summary if r.get(key)]
+    for kind, label, style in (("first_hit", "DeepInfer miss / fresh stack's first hit", "v-"),
+                               ("cold_hit", "DeepInfer miss / cold hit (fresh stack)", "s-"),
+                               ("warm_hit", "DeepInfer miss / warm disk hit", "^-"),
+                               ("memory_hit", "DeepInfer miss / memory hit", "d-")):
+        pts = [(r["tokens"], r["ratios"][kind]["speedup"]) for r in summary if kind in r["ratios"]]
         if pts:
             ax.plot(*zip(*pts), style, label=label)
+    pts = [(r["tokens"], r["hf_speedup"]) for r in summary if r.get("hf_speedup")]
+    if pts:
+        ax.plot(*zip(*pts), "o:", label="transformers miss / cold hit")
     ax.axhline(goal, color="red", lw=0.8, ls="--", label=f"goal {goal:g}x")
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{t // 1024}K" if t >= 1024 else str(t) for t in x])
@@ -78,22 +85,28 @@ BREAKDOWN = (("client_s", "client + SSE"), ("gateway_s", "gateway + HTTP (parse,
 
 
 def hit_breakdown(summary: list[dict], path: Path, title: str) -> None:
-    """Stacked medians per length, cold and warm side by side; markers: the two lower-bound terms."""
+    """Stacked medians per length, one bar per hit kind; markers: each bar's physical and in-process bound."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    kinds = [k for k in ("first_hit", "cold_hit", "warm_hit", "memory_hit")
+             if any(r["breakdown"].get(k) for r in summary)]
+    width = 0.8 / len(kinds)
     x = np.arange(len(summary))
     colors = ("#bbbbbb", "#8fb3de", "#4c72b0", "#dd8452")
-    for offset, kind, hatch in ((-0.2, "cold", "//"), (0.2, "warm", "")):
+    for i, kind in enumerate(kinds):
+        offset = (i - (len(kinds) - 1) / 2) * width
         bottom = np.zeros(len(summary))
         for (key, label), color in zip(BREAKDOWN, colors):
-            values = np.array([r["breakdown"][kind][key] for r in summary])
-            ax.bar(x + offset, values, 0.38, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
-                   label=f"{label}" if kind == "cold" else None)
+            values = np.array([(r["breakdown"][kind] or {}).get(key) or 0.0 for r in summary])
+            ax.bar(x + offset, values, width * 0.95, bottom=bottom, color=color, edgecolor="white",
+                   label=label if i == 0 else None)
             bottom += values
-    ax.plot(x, [r["load_at_raw_s"] for r in summary], "kv", label="prefix bytes / raw device bandwidth")
-    ax.plot(x, [r["compute"]["median"] for r in summary], "k*", label="suffix compute, prefix in RAM")
-    ax.set_xticks(x, [f"{r['tokens'] // 1024}K\ncold | warm" if r["tokens"] >= 1024 else f"{r['tokens']}\ncold | warm"
-                      for r in summary])
+        ax.plot(x + offset, [r["ratios"][kind]["physical_s"] if kind in r["ratios"] else np.nan for r in summary],
+                "kv", label="physical bound" if i == 0 else None)
+        ax.plot(x + offset, [r["in_process_s"] for r in summary], "k*", label="in-process bound" if i == 0 else None)
+    short = {"first_hit": "first", "cold_hit": "cold", "warm_hit": "warm", "memory_hit": "mem"}
+    ax.set_xticks(x, [(f"{r['tokens'] // 1024}K" if r["tokens"] >= 1024 else str(r["tokens"]))
+                      + "\n" + " | ".join(short[k] for k in kinds) for r in summary])
     ax.set_ylabel("seconds (medians)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
