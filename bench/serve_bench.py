@@ -97,7 +97,8 @@ async def sweep(args, url: str, sessions, result: dict) -> None:
     peer_out = None
     if args.peer_url:
         peer_out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
-    async with Client(url) as client, Client(args.peer_url or url, model=args.peer_model) as peer:
+    async with Client(url) as client, Client(args.peer_url or url, model=args.peer_model,
+                                                                fresh_connections=True) as peer:
         # Warm-up: compiles the shapes of this workload once, outside every measurement.
         await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
         if peer_out is not None:
@@ -193,7 +194,7 @@ def _said(s: dict) -> None:
 async def peer_sweep(args, sessions, result: dict) -> None:
     """The sweep's closed loops against the peer alone (when the sweep phase did not run them)."""
     out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
-    async with Client(args.peer_url, model=args.peer_model) as client:
+    async with Client(args.peer_url, model=args.peer_model, fresh_connections=True) as client:
         await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
         for c in args.concurrency:
             picked = level_sessions(args, sessions, c)

@@ -39,19 +39,22 @@ class Client:
     """POSTs to an OpenAI-compatible /v1/completions (DeepInfer's gateway, or a peer's server)."""
 
     def __init__(self, base_url: str, model: str = "deepseek-chat", api_key: str = "bench",
-                 extra_headers: dict | None = None):
+                 extra_headers: dict | None = None, fresh_connections: bool = False):
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} | (extra_headers or {})
         self.clock0 = time.perf_counter()
         self._session: aiohttp.ClientSession | None = None
+        # A connection per request: a peer that closes idle keep-alive connections (llama-server after
+        # 5 s) would otherwise fail the request that reuses one.
+        self.fresh_connections = fresh_connections
 
     def now(self) -> float:
         return time.perf_counter() - self.clock0
 
     async def __aenter__(self) -> "Client":
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=3600),
-                                              connector=aiohttp.TCPConnector(limit=0))
+                                              connector=aiohttp.TCPConnector(limit=0, force_close=self.fresh_connections))
         return self
 
     async def __aexit__(self, *exc) -> None:
