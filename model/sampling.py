@@ -1,13 +1,20 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded; stop tokens are the caller's loop."""
+"""Token sampling: greedy, temperature, top-k, top-p, seeded; OpenAI's presence/frequency penalties and
+logit_bias, a grammar's token mask and logprobs, all on the device. Stop tokens are the caller's loop."""
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +25,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0  # logit[t] -= presence * (count[t] > 0), over the generated tokens
+    frequency_penalty: float = 0.0  # logit[t] -= frequency * count[t]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; k in [0, 20]: the chosen token's logprob and the top k
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -28,10 +39,24 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if not all(token >= 0 and -100.0 <= bias <= 100.0 for token, bias in self.logit_bias):
+            raise ValueError("logit_bias must map token ids >= 0 to biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Penalties or bias change this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 def _sample_one(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
@@ -75,19 +100,40 @@ class SamplingRow(NamedTuple):
     params: SamplingParams
     seed: int  # 0 <= seed < 2**64: the request's seed, or a random one drawn once per request
     step: int  # tokens this request has sampled before: a seeded request replays its stream
+    generated: Sequence[int] = ()  # the tokens sampled so far, which the penalties count
+    allowed: np.ndarray | None = None  # (W,) uint32 words from a grammar: bit t % 32 of word t // 32 = t allowed
+
+
+class TokenLogprobs(NamedTuple):
+    """The model's own log-softmax (before temperature, penalties, bias and masks) at one position."""
+    logprob: float  # of the chosen token
+    top: list[tuple[int, float]]  # (token id, logprob) of the k most likely, descending
+
+
+class Sampled(NamedTuple):
+    tokens: np.ndarray  # (n,) one token per row
+    logprobs: list[TokenLogprobs | None]  # per row: None unless the row's params asked for logprobs
 
 
 def request_seed(params: SamplingParams) -> int:
     return params.seed % (1 << 64) if params.seed is not None else int.from_bytes(os.urandom(8), "little")
 
 
-@jax.jit
-def _sample_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B):
-    def one(logits_V, seed_2, step, temperature, top_p, top_k):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_2[0]), seed_2[1]), step)
-        return _sample_one(logits_V, key, jnp.where(temperature > 0, temperature, 1.0), top_p, top_k)
+def _sample_keyed(logits_V, seed_2, step, temperature, top_p, top_k, cut: bool):
+    """cut (static): some row of the batch has a top-k or top-p cut, which needs a sort of the vocabulary;
+    without one a draw is one categorical over the scaled logits (a sort of 129K logits per row costs
+    ~80 ms on a CPU)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_2[0]), seed_2[1]), step)
+    temperature = jnp.where(temperature > 0, temperature, 1.0)
+    if not cut:
+        return jax.random.categorical(key, logits_V.astype(jnp.float32) / temperature)
+    return _sample_one(logits_V, key, temperature, top_p, top_k)
 
-    sampled_B = jax.vmap(one)(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
+
+@functools.partial(jax.jit, static_argnames=("cut",))
+def _sample_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, cut: bool):
+    sample = functools.partial(_sample_keyed, cut=cut)
+    sampled_B = jax.vmap(sample)(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
     return jnp.where(temperature_B > 0, sampled_B, jnp.argmax(logits_BV, axis=-1))
 
 
@@ -96,17 +142,53 @@ def _greedy_rows(logits_BV):
     return jnp.argmax(logits_BV, axis=-1)
 
 
-def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> np.ndarray:
+@functools.partial(jax.jit, static_argnames=("top_n", "draw", "cut"))
+def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, counted_BT, presence_B,
+                        frequency_B, bias_ids_BK, bias_BK, allowed_BW, top_n: int, draw: bool, cut: bool):
+    """Penalties (over the counted ids; id V pads and is dropped), bias, the grammar's bitmask, then the
+    usual sampling; logprobs come from the raw logits. Returns (tokens, chosen logprobs, top ids, top logprobs)."""
+    raw_BV = logits_BV.astype(jnp.float32)
+    B, V = raw_BV.shape
+    rows_B1 = jnp.arange(B)[:, None]
+    counts_BV = jnp.zeros((B, V), jnp.float32).at[rows_B1, counted_BT].add(1.0, mode="drop")
+    shaped_BV = raw_BV - frequency_B[:, None] * counts_BV - presence_B[:, None] * (counts_BV > 0)
+    shaped_BV = shaped_BV.at[rows_B1, bias_ids_BK].add(bias_BK, mode="drop")
+    vocab_V = jnp.arange(V, dtype=jnp.uint32)
+    words_BV = allowed_BW[:, vocab_V // 32]  # (B, V) the word holding each id's bit
+    bits_BV = jax.lax.shift_right_logical(words_BV, jnp.broadcast_to(vocab_V % 32, words_BV.shape)) & 1
+    shaped_BV = jnp.where(bits_BV > 0, shaped_BV, -jnp.inf)
+    sampled_B = jnp.argmax(shaped_BV, axis=-1)
+    if draw:  # (static) some row samples at a temperature
+        sample = functools.partial(_sample_keyed, cut=cut)
+        drawn_B = jax.vmap(sample)(shaped_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
+        sampled_B = jnp.where(temperature_B > 0, drawn_B, sampled_B)
+    if not top_n:
+        return sampled_B, None, None, None
+    logp_BV = jax.nn.log_softmax(raw_BV, axis=-1)
+    chosen_B = jnp.take_along_axis(logp_BV, sampled_B[:, None], axis=1)[:, 0]
+    top_BN, top_ids_BN = jax.lax.top_k(logp_BV, top_n)
+    return sampled_B, chosen_B, top_ids_BN, top_BN
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
     """One token per row of a (B, V) logits batch, each row with its own parameters, on the device.
 
-    The one sampler interface of the engine: later work adds token masks, penalties, bias and
-    logprobs here. Rows are padded to a power of two so batch sizes share compiled shapes."""
+    The one sampler interface of the engine. Rows are padded to a power of two (and penalty counts and
+    bias lists to powers of two) so batch sizes share compiled shapes. A batch in which no row uses
+    penalties, bias, a grammar mask or logprobs takes the plain paths (greedy: one argmax)."""
     n = len(rows)
-    padded = 1 << max(0, (n - 1).bit_length())
+    padded = _pow2(n)
     if padded != n:
         logits_BV = jnp.pad(logits_BV, ((0, padded - n), (0, 0)))
-    if all(row.params.greedy for row in rows):
-        return np.asarray(_greedy_rows(logits_BV))[:n]
+    none = [None] * n
+    shaped = any(row.params.shapes_logits or row.allowed is not None or row.params.logprobs is not None
+                 for row in rows)
+    if not shaped and all(row.params.greedy for row in rows):
+        return Sampled(np.asarray(_greedy_rows(logits_BV))[:n], none)
     seeds = np.zeros((padded, 2), np.uint32)
     steps = np.zeros(padded, np.int32)
     temperature = np.zeros(padded, np.float32)
@@ -116,4 +198,40 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> np.ndarray:
         seeds[i] = (row.seed & 0xFFFFFFFF, row.seed >> 32)
         steps[i], temperature[i], top_p[i] = row.step, row.params.temperature, row.params.top_p
         top_k[i] = min(row.params.top_k, np.iinfo(np.int32).max)
-    return np.asarray(_sample_rows(logits_BV, seeds, steps, temperature, top_p, top_k))[:n]
+    cut = any(not row.params.greedy and (row.params.top_p < 1.0 or row.params.top_k > 0) for row in rows)
+    if not shaped:
+        return Sampled(np.asarray(_sample_rows(logits_BV, seeds, steps, temperature, top_p, top_k, cut=cut))[:n],
+                       none)
+    V = logits_BV.shape[1]
+    penalized = [row.generated if row.params.presence_penalty or row.params.frequency_penalty else ()
+                 for row in rows]
+    counted = np.full((padded, _pow2(max(1, *map(len, penalized)))), V, np.int32)  # V: dropped
+    bias_ids = np.full((padded, _pow2(max(1, *(len(row.params.logit_bias) for row in rows)))), V, np.int32)
+    bias = np.zeros(bias_ids.shape, np.float32)
+    presence = np.zeros(padded, np.float32)
+    frequency = np.zeros(padded, np.float32)
+    words = -(-V // 32)
+    allowed = np.full((padded, words), 0xFFFFFFFF, np.uint32)
+    for i, row in enumerate(rows):
+        counted[i, :len(penalized[i])] = penalized[i]
+        presence[i], frequency[i] = row.params.presence_penalty, row.params.frequency_penalty
+        for j, (token, value) in enumerate(row.params.logit_bias):
+            bias_ids[i, j], bias[i, j] = token, value
+        if row.allowed is not None:
+            w = min(words, row.allowed.size)
+            allowed[i, :w] = row.allowed[:w]
+            allowed[i, w:] = 0  # ids the grammar's tokenizer does not have
+    top_n = MAX_LOGPROBS if any(row.params.logprobs is not None for row in rows) else 0
+    tokens, chosen, top_ids, top = _sample_shaped_rows(logits_BV, seeds, steps, temperature, top_p, top_k, counted,
+                                                       presence, frequency, bias_ids, bias, allowed, top_n=top_n,
+                                                       draw=any(not row.params.greedy for row in rows), cut=cut)
+    tokens = np.asarray(tokens)[:n]
+    logprobs = list(none)
+    if top_n:
+        chosen, top_ids, top = np.asarray(chosen), np.asarray(top_ids), np.asarray(top)
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is not None:
+                logprobs[i] = TokenLogprobs(float(chosen[i]), [(int(t), float(v)) for t, v in
+                                                               zip(top_ids[i, :k], top[i, :k])])
+    return Sampled(tokens, logprobs)

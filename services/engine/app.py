@@ -15,8 +15,9 @@ from aiohttp import web
 
 from kvstore import CacheGeometry, Hit, SegmentRun, block_hashes, miss
 from kvstore.location import SEGMENT_ID, VOLUME_ID
+from model.grammar import GrammarError, grammar_source
 from model.runner import enable_compilation_cache
-from model.sampling import SamplingParams
+from model.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from services.common.admin import admin_auth_middleware
 from services.common.instance import add_instance_header
 from services.common.service_auth import service_auth_middleware
@@ -91,7 +92,25 @@ def _int_list(body: dict, name: str, required: bool = False) -> list[int]:
     return values
 
 
-def parse_job(body: object, fingerprint: str, block_tokens: int) -> Job:
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} (ids as decimal strings or ints) -> ((id, bias), ...), checked as OpenAI does."""
+    raw = _field(body, "logit_bias", dict, {})
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise BadJob(f"'logit_bias' may have at most {MAX_LOGIT_BIAS} entries, got {len(raw)}", "logit_bias")
+    out = {}
+    for key, value in raw.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() and len(key) < 12 else None
+        if token is None or token >= vocab_size:
+            raise BadJob(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        value = _integral(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            raise BadJob(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for {key}", "logit_bias")
+        out[token] = out.get(token, 0.0) + float(value)
+    return tuple(sorted(out.items()))
+
+
+def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int = INT31) -> Job:
     """A generation job from the gateway's JSON: every malformed field is a BadJob (400) naming it."""
     if not isinstance(body, dict):
         raise BadJob("the body must be a JSON object")
@@ -111,18 +130,30 @@ def parse_job(body: object, fingerprint: str, block_tokens: int) -> Job:
     stop = tuple(_int_list(body, "stop_token_ids"))
     temperature = _field(body, "temperature", float, 0.0)
     temperature = 0.0 if 0.0 <= temperature < GREEDY_BELOW_TEMPERATURE else temperature
+    penalties = {name: _field(body, name, float, 0.0) for name in ("presence_penalty", "frequency_penalty")}
+    for name, value in penalties.items():
+        if not -2.0 <= value <= 2.0:
+            raise BadJob(f"'{name}' must be in [-2, 2], got {value}", name)
+    logit_bias = _logit_bias(body, vocab_size)
+    logprobs = _field(body, "logprobs", int, None, low=0, high=MAX_LOGPROBS + 1)
+    try:
+        grammar = None if body.get("grammar") is None else grammar_source(body["grammar"])
+    except GrammarError as error:
+        raise BadJob(str(error), "grammar") from None
     try:
         params = SamplingParams(max_tokens=_field(body, "max_tokens", int, 16, low=1, high=INT31),
                                 temperature=temperature,
                                 top_p=_field(body, "top_p", float, 1.0),
                                 top_k=_field(body, "top_k", int, 0, low=0, high=INT31),
-                                seed=_field(body, "seed", int, None, low=-INT63, high=INT63), stop_token_ids=stop)
+                                seed=_field(body, "seed", int, None, low=-INT63, high=INT63), stop_token_ids=stop,
+                                logit_bias=logit_bias, logprobs=logprobs, **penalties)
     except ValueError as error:  # SamplingParams names the field first ("top_p must be in ...")
         raise BadJob(str(error), str(error).split(" ", 1)[0]) from None
     token_array = np.asarray(tokens, np.int64)
     digest = _field(body, "logits_digest", bool, False)
     return Job(request_id, token_array, tenant, salt,
-               _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest)
+               _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest,
+               grammar)
 
 
 def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:
@@ -220,10 +251,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return _error(400, "the body is not valid JSON")
     try:
-        job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens)
-        state.engine.check(job)
+        job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens, state.loaded.config.vocab_size)
+        if job.grammar is not None:  # compiling a large schema can take a while: off the event loop
+            await asyncio.to_thread(state.engine.check, job)
+        else:
+            state.engine.check(job)
     except BadJob as error:
         return _error(400, str(error), error.param)
+    except GrammarError as error:
+        return _error(400, str(error), "grammar")
     except ValueError as error:
         return _error(400, str(error), "tokens")
     log.info("request %s: %d prompt tokens, %d hit blocks, max_tokens %d", job.request_id, job.tokens.size,

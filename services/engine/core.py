@@ -23,9 +23,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from kvstore import extend_block_hashes
+from model.grammar import TokenGrammar, default_tokenizer_json, token_grammar
 from model.paged_runner import SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner
 from model.runner import _pow2
-from model.sampling import SamplingParams, SamplingRow, request_seed, sample_batch
+from model.sampling import SamplingParams, SamplingRow, TokenLogprobs, request_seed, sample_batch
 from model.weights import LoadedModel
 from services.common.request_id import current_request_id
 from services.engine.cache_link import CacheLink
@@ -85,9 +86,18 @@ class Engine:
         self.loop = loop
         self._thread.start()
 
+    @property
+    def grammars(self) -> TokenGrammar:
+        """The grammar compiler for this model's tokenizer (built on first use: seconds)."""
+        g = self.loaded.config
+        return token_grammar(default_tokenizer_json(self.cfg.model_dir or None), g.vocab_size, g.eos_token_id)
+
     def check(self, job: Job) -> None:
         """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context
-        or for the pool. An answer that would outgrow the pool is cut there ("length"), not refused."""
+        or for the pool, GrammarError for a grammar that does not compile. An answer that would outgrow the
+        pool is cut there ("length"), not refused."""
+        if job.grammar is not None:
+            self.grammars.check(job.grammar)
         self.runner.check_tokens(job.tokens, job.params.max_tokens)
         if self.scheduler.pages_for(job.tokens.size + 1) > self.pages.usable:
             raise TooLarge(f"prompt of {job.tokens.size} tokens does not fit this engine's latent pool of "
@@ -105,6 +115,8 @@ class Engine:
             hashes = extend_block_hashes(hashes, job.tokens, self.loaded.fingerprint, job.tenant_salt, self.B)
         seq = Sequence(job, request_seed(job.params), asyncio.Queue(), asyncio.get_running_loop(),
                        tokens=[int(t) for t in job.tokens], hashes=hashes)
+        if job.grammar is not None:
+            seq.grammar = self.grammars.state(job.grammar)
         self._count(waiting=1)
         self._inbox.put(seq)
         self._wake.set()
@@ -277,15 +289,15 @@ class Engine:
         if decode:
             begin = time.perf_counter()
             rows = [DecodeRow(seq.tokens[-1], seq.computed, seq.pages) for seq in decode]
-            logits = self.runner.decode(rows)
-            tokens = sample_batch(logits, [SamplingRow(s.job.params, s.seed, s.generated) for s in decode])
+            logits = self.runner.decode(rows)  # dispatched: grammar masks are computed while it runs
+            taken = self._sample(logits, decode)
             self.metrics.decode_batch.observe(len(decode))
             self.metrics.decode_seconds.inc(time.perf_counter() - begin)
             host = np.asarray(logits) if any(s.job.digest for s in decode) else None
-            for i, (seq, token) in enumerate(zip(decode, tokens)):
+            for i, (seq, (token, logprobs)) in enumerate(zip(decode, taken)):
                 seq.computed += 1
                 self._publish(seq)
-                self._accept(seq, int(token), None if host is None else host[i])
+                self._accept(seq, token, None if host is None else host[i], logprobs)
         for seq, n in step.prefill:
             if seq.status is not Status.RUNNING:
                 continue  # preempted above to make room for a decode
@@ -296,10 +308,36 @@ class Engine:
             self.metrics.prefill_tokens.labels("computed").inc(n)
             self._publish(seq)
             if want:
-                token = sample_batch(logits[None], [SamplingRow(seq.job.params, seq.seed, seq.generated)])[0]
-                self._accept(seq, int(token), np.asarray(logits) if seq.job.digest else None)
+                (token, logprobs), = self._sample(logits[None], [seq])
+                self._accept(seq, token, np.asarray(logits) if seq.job.digest else None, logprobs)
             elif seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
                 self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
+
+    def _remaining(self, seq: Sequence) -> int:
+        return min(seq.remaining, self.loaded.config.max_context - len(seq.tokens))
+
+    def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+        """One token per sequence, with its penalties, bias and grammar mask (computed here on the host, while
+        the device still runs the step that made `logits`); the grammar takes each token, or its closing
+        token when the sampled one would leave no room to close (then sampled again, forced, for its logprobs)."""
+        rows = [self._row(seq) for seq in seqs]
+        sampled = sample_batch(logits, rows)
+        out = [(int(t), lp) for t, lp in zip(sampled.tokens, sampled.logprobs)]
+        for i, seq in enumerate(seqs):
+            token = out[i][0]
+            if seq.grammar is None or token in self.stops or token in seq.job.params.stop_token_ids:
+                continue
+            taken = seq.grammar.take(token, self._remaining(seq))
+            if taken != token:
+                forced = rows[i]._replace(allowed=seq.grammar.only(taken))
+                out[i] = (taken, sample_batch(logits[i:i + 1], [forced]).logprobs[0])
+        return out
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        p = seq.job.params
+        counted = seq.tokens[seq.prompt_len:] if p.presence_penalty or p.frequency_penalty else ()
+        allowed = seq.grammar.mask(self._remaining(seq)) if seq.grammar is not None else None
+        return SamplingRow(p, seq.seed, seq.generated, counted, allowed)
 
     def _grow(self, decode: list[Sequence]) -> list[Sequence]:
         """Gives every decoding sequence the page its next token goes to, preempting the youngest
@@ -322,13 +360,17 @@ class Engine:
                 seq.pages += self.pages.allocate(1)
         return [seq for seq in decode if seq.status is Status.RUNNING]
 
-    def _accept(self, seq: Sequence, token: int, logits_V: np.ndarray | None = None) -> None:
+    def _accept(self, seq: Sequence, token: int, logits_V: np.ndarray | None = None,
+                logprobs: TokenLogprobs | None = None) -> None:
         if token in self.stops or token in seq.job.params.stop_token_ids:
             self._finish(seq, "stop")
             return
         seq.tokens.append(token)
         seq.generated += 1
         event = {"type": "token", "id": token}
+        if logprobs is not None:
+            event["logprob"] = logprobs.logprob
+            event["top_logprobs"] = [[t, lp] for t, lp in logprobs.top]
         if logits_V is not None:
             event["logits_sha256"] = hashlib.sha256(np.ascontiguousarray(logits_V, np.float32).tobytes()).hexdigest()
         if seq.generated == 1:
@@ -339,7 +381,9 @@ class Engine:
         seq.emit(event)
         if seq.generated == 1:
             self._save(seq)  # the prompt's blocks, once the first token is out
-        if seq.generated >= seq.job.params.max_tokens or len(seq.tokens) >= self.loaded.config.max_context:
+        if seq.grammar is not None and seq.grammar.stopped:
+            self._finish(seq, "stop")  # only the end may follow: no EOS token is emitted
+        elif seq.generated >= seq.job.params.max_tokens or len(seq.tokens) >= self.loaded.config.max_context:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -349,12 +393,15 @@ class Engine:
         self._release(seq, "ok")
         loaded_bytes = self._disk_bytes(seq)
         self.metrics.generated_tokens.inc(seq.generated)
-        seq.emit({"type": "done", "finish_reason": reason, "prompt_tokens": seq.prompt_len,
-                  "cached_tokens": loaded, "completion_tokens": seq.generated,
-                  "tiers": {"memory": seq.memory_tokens, "disk": seq.disk_tokens},
-                  "timing": {"ttft_s": (seq.first_token_at or now) - seq.arrival,
-                             "prefetch_stall_s": seq.stall_s, "loaded_bytes": int(loaded_bytes),
-                             "decode_s": now - (seq.first_token_at or now), "preemptions": seq.preemptions}})
+        done = {"type": "done", "finish_reason": reason, "prompt_tokens": seq.prompt_len,
+                "cached_tokens": loaded, "completion_tokens": seq.generated,
+                "tiers": {"memory": seq.memory_tokens, "disk": seq.disk_tokens},
+                "timing": {"ttft_s": (seq.first_token_at or now) - seq.arrival,
+                           "prefetch_stall_s": seq.stall_s, "loaded_bytes": int(loaded_bytes),
+                           "decode_s": now - (seq.first_token_at or now), "preemptions": seq.preemptions}}
+        if seq.grammar is not None:
+            done["grammar_complete"] = seq.grammar.complete
+        seq.emit(done)
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.prefetch is not None:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvstore import Hit, Prefetch
+from model.grammar import GrammarState
 from model.sampling import SamplingParams
 
 
@@ -22,6 +23,7 @@ class Job(NamedTuple):
     params: SamplingParams
     retention: str
     digest: bool = False  # put a SHA-256 of each token's logits (float32 bytes) in its event
+    grammar: str | None = None  # llguidance grammar text (model.grammar.grammar_source): decoding is constrained
 
 
 class Status(enum.Enum):
@@ -61,6 +63,8 @@ class Sequence:
     first_token_at: float | None = None
     stall_s: float = 0.0
     finish_reason: str = ""
+    # The grammar's state follows `tokens` (not pages), so a preempted and resumed sequence keeps it.
+    grammar: GrammarState | None = None
 
     @property
     def request_id(self) -> str:
@@ -74,6 +78,11 @@ class Sequence:
     def target(self) -> int:
         """Tokens to prefill: the prompt; after a preemption, everything but the last sampled token."""
         return len(self.tokens) if self.generated == 0 else len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        """Tokens it may still generate (max_tokens; the context can cut it shorter: the caller's min)."""
+        return self.job.params.max_tokens - self.generated
 
     @property
     def prefilling(self) -> bool:

