@@ -62,7 +62,7 @@ class TokenGrammar:
     a matcher per request. Ids past the tokenizer (the model's vocabulary can be larger) are never allowed."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_id: int):
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos = vocab_size, eos_token_id
         self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=eos_token_id)
         self.words = -(-self.tokenizer.vocab_size // 32)  # uint32 words of one mask row
         self.closers = self._single_tokens(CLOSERS)
@@ -74,7 +74,10 @@ class TokenGrammar:
 
     def check(self, source: str) -> None:
         """Raises GrammarError with llguidance's message when the grammar does not compile."""
-        error = llguidance.LLMatcher.validate_grammar(source, self.tokenizer)
+        try:
+            error = llguidance.LLMatcher.validate_grammar(source, self.tokenizer)
+        except (ValueError, TypeError, RuntimeError) as raised:  # a grammar text llguidance cannot even read
+            error = str(raised)
         if error and not error.startswith("WARNING"):
             raise GrammarError(f"'grammar' does not compile: {error.strip()[:500]}")
 
@@ -139,20 +142,21 @@ class GrammarState:
 
     def take(self, token: int, remaining: int) -> int:
         """Consumes the sampled token, or, if it would leave no room to close in remaining - 1 tokens,
-        the closing path's next token instead; returns the token taken."""
+        the closing path's next token instead (the end, `eos`, where the tokens so far are complete);
+        returns the token taken. The end is not consumed: the caller stops the sequence on it."""
         tight = self.need is not None and remaining <= self.need + CHECK_BAND
-        if tight and self._path and token != self._path[0]:
-            fallback = self._path[0]
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(f"grammar refused token {token}: {self.matcher.get_error()}")
+        planned = self._path[0] if self._path else self.grammar.eos if self.need == 0 else None
+        if tight and planned is not None and token != planned:
+            self._consume(token)
             path = _closing_path(self.matcher, self.grammar, remaining)
             if path is not None and len(path) <= remaining - 1:
                 self.need, self._path, self._since_check = len(path), path, 0
                 return token
             self.matcher.rollback(1)
-            token = fallback
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"grammar refused token {token}: {self.matcher.get_error()}")
+            token = planned
+            if token == self.grammar.eos:
+                return token
+        self._consume(token)
         if self._path and token == self._path[0]:
             self._path = self._path[1:]
             self.need = len(self._path)
@@ -160,6 +164,10 @@ class GrammarState:
             self._path, self._since_check = [], CHECK_EVERY  # unknown: check before the next mask
         self._since_check += 1
         return token
+
+    def _consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):  # the mask allowed it: a refusal is a bug, not the user's
+            raise RuntimeError(f"grammar refused token {token}: {self.matcher.get_error()}")
 
     def _should_check(self, remaining: int) -> bool:
         if self.need is None or not self._path and not self.matcher.is_accepting():

@@ -192,3 +192,37 @@ def test_the_sampler_applies_penalties_and_bias_as_defined_and_reports_raw_logpr
     assert [t for t, _ in chosen.top] == np.argsort(-logp)[:20].tolist()
     assert np.exp(logp).sum() == pytest.approx(1.0, abs=1e-5)
     assert sum(np.exp(lp) for _, lp in chosen.top) <= 1.0
+
+
+def _adversarial_walk(grammars, source: str, budget: int, pick) -> tuple[list[int], bool, bool]:
+    """Runs a grammar as the engine does, with `pick(allowed ids)` as the sampler; returns (tokens, complete,
+    ended) where ended = stopped or the end was taken."""
+    state, out = grammars.state(source), []
+    while len(out) < budget and not state.stopped:
+        allowed = np.flatnonzero(np.unpackbits(state.mask(budget - len(out)).view(np.uint8), bitorder="little"))
+        token = state.take(int(pick(allowed)), budget - len(out))
+        if token == EOS:
+            return out, state.complete, True
+        out.append(token)
+    return out, state.complete, state.stopped
+
+
+@pytest.mark.parametrize("pick", [lambda a: a[-1], lambda a: a[len(a) // 2], lambda a: a[a != EOS][0]],
+                         ids=["highest-id", "middle-id", "lowest-id"])
+def test_an_adversarial_sampler_still_closes_within_every_budget_from_the_smallest_instance(grammars, pick):
+    source = grammar_source({"type": "json_schema", "schema": SCHEMA})
+    smallest = smallest_instance_tokens(grammars, source)
+    for budget in range(smallest, smallest + 12):
+        ids, complete, _ = _adversarial_walk(grammars, source, budget, pick)
+        assert complete and len(ids) <= budget, (budget, text(grammars, ids))
+        jsonschema.validate(json.loads(text(grammars, ids)), SCHEMA)
+    ids, complete, _ = _adversarial_walk(grammars, source, smallest - 1, pick)
+    assert not complete and len(ids) == smallest - 1
+
+
+def test_a_complete_answer_ends_rather_than_spend_its_last_token_leaving_the_grammar(grammars):
+    # After "x" the answer is complete; "y" would need a "z" the budget of 2 has no room for.
+    source = grammar_source({"type": "lark", "grammar": 'start: "x" | "x" "y" "z"'})
+    y = grammars.tokenizer.tokenize_str("y")[0]
+    ids, complete, ended = _adversarial_walk(grammars, source, 2, lambda a: y if y in a else a[a != EOS][0])
+    assert text(grammars, ids) == "x" and complete and ended

@@ -146,14 +146,51 @@ async def test_bad_jobs_get_clear_400s(engine):
              ({"tokens": [1, 2], "temperature": "hot"}, "'temperature' must be of type float"),
              ({"tokens": [1] * 16_000, "max_tokens": 1000}, "exceeds the context length"),
              ({"tokens": [1] * 200, "hit": {"blocks": 2, "locations": [{"volume": "../../etc"}]}}, "malformed"),
-             ({"tokens": [1, 2], "retention": "forever"}, "'retention' must be one of")]
+             ({"tokens": [1, 2], "retention": "forever"}, "'retention' must be one of"),
+             ({"tokens": [1, 2], "presence_penalty": 2.5}, "'presence_penalty' must be in [-2, 2]"),
+             ({"tokens": [1, 2], "frequency_penalty": -7}, "'frequency_penalty' must be in [-2, 2]"),
+             ({"tokens": [1, 2], "logit_bias": {"129280": 1}}, "'logit_bias' keys must be token ids in [0, 129280)"),
+             ({"tokens": [1, 2], "logit_bias": {"-1": 1}}, "'logit_bias' keys must be token ids"),
+             ({"tokens": [1, 2], "logit_bias": {"5": 101}}, "'logit_bias' values must be numbers in [-100, 100]"),
+             ({"tokens": [1, 2], "logit_bias": {"5": "x"}}, "'logit_bias' values must be numbers"),
+             ({"tokens": [1, 2], "logit_bias": {str(i): 1 for i in range(301)}}, "at most 300 entries"),
+             ({"tokens": [1, 2], "logit_bias": [5]}, "'logit_bias' must be of type dict"),
+             ({"tokens": [1, 2], "logprobs": 21}, "'logprobs' must be in [0, 21)"),
+             ({"tokens": [1, 2], "logprobs": -1}, "'logprobs' must be in [0, 21)"),
+             ({"tokens": [1, 2], "grammar": {"type": "yaml"}}, "'grammar' must be"),
+             ({"tokens": [1, 2], "grammar": {"type": "json_schema", "schema": 5}}, "'grammar.schema' must be"),
+             ({"tokens": [1, 2], "grammar": {"type": "json_schema", "schema": {"type": "integer", "minimum": 5,
+                                                                               "maximum": 1}}}, "'grammar'"),
+             ({"tokens": [1, 2], "grammar": {"type": "lark", "grammar": "start: undefined_rule"}},
+              "'grammar' does not compile")]
     for job, message in cases:
         status, body = await _generate(url, job)
         assert status == 400, job
         assert message in body[0]["error"]["message"], (job, body)
+        named = [name for name in ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "grammar")
+                 if name in job]
+        if named:
+            assert body[0]["error"]["param"] == named[0], body
     async with aiohttp.ClientSession(headers=SERVICE) as session:
         async with session.post(url + "/internal/generate", data=b"{not json") as r:
             assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+
+
+async def test_a_grammar_job_over_http_streams_logprobs_and_a_complete_json_answer(engine):
+    url, _, _ = engine
+    schema = {"type": "object", "required": ["x"], "additionalProperties": False,
+              "properties": {"x": {"type": "integer"}}}
+    status, events = await _generate(url, {"tokens": [5, 6, 7], "max_tokens": 30, "temperature": 1.0, "seed": 4,
+                                           "logprobs": 3, "grammar": {"type": "json_schema", "schema": schema}})
+    assert status == 200, events
+    tokens = [e for e in events if e["type"] == "token"]
+    done = events[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "stop" and done["grammar_complete"] is True, done
+    assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in tokens)
+    from model.grammar import default_tokenizer_json, token_grammar
+    answer = json.loads(token_grammar(default_tokenizer_json(None), 129_280, 1).tokenizer.decode_str(
+        [e["id"] for e in tokens]))
+    jsonschema.validate(answer, schema)
 
 
 async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
