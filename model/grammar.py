@@ -9,7 +9,10 @@ greedy closing path (forced tokens first, then the closers of `CLOSERS` in order
 id). Invariant while the budget allows it: need <= remaining tokens. Where the budget is tight (need ==
 remaining) the mask is that path's next token only; a freely sampled token that would leave need >
 remaining - 1 is replaced by the path's next token (`GrammarState.take`). Only a budget below the start's
-need (the schema's smallest instance, as this path finds it) ends with the grammar incomplete.
+need (the schema's smallest instance, as this path finds it) ends with the grammar incomplete. The path is
+recomputed after every token within CHECK_BAND tokens of the end, and less often before (it costs a few
+masks): one token that lengthens the needed completion by more than that margin could still end an answer
+incomplete.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ CLOSERS_IN_TEXT = ('"}}', '"}', '"]', '""}', '"')
 CLOSERS = ('}}', '}]', ']}', '}', ']', '""}', '""', '"}', '"]', '0}', '0', '[]', '{}', 'null', 'false', 'true', '"',
            ',', ':')
 CHECK_BAND = 48  # tokens: within need + CHECK_BAND of the end, need is recomputed after every token
-CHECK_EVERY = 8  # tokens: further out, need is recomputed this often
+CHECK_EVERY = 8  # tokens: further out, need is recomputed at least this often ...
+GROWTH = 8  # ... and at most every (remaining - need - CHECK_BAND) / GROWTH tokens: assumes a token adds < 7 to need
 MAX_PATH = 1024  # tokens: a closing path longer than this counts as none (the grammar cannot close)
 
 
@@ -119,6 +123,7 @@ class GrammarState:
         self.need: int | None = None  # closing path length at the last check (None: not yet computed)
         self._path: list[int] = []
         self._since_check = 0
+        self._fresh = False  # _path is the closing path from the current state
 
     @property
     def complete(self) -> bool:
@@ -150,7 +155,7 @@ class GrammarState:
             self._consume(token)
             path = _closing_path(self.matcher, self.grammar, remaining)
             if path is not None and len(path) <= remaining - 1:
-                self.need, self._path, self._since_check = len(path), path, 0
+                self.need, self._path, self._since_check, self._fresh = len(path), path, 0, True
                 return token
             self.matcher.rollback(1)
             token = planned
@@ -161,7 +166,7 @@ class GrammarState:
             self._path = self._path[1:]
             self.need = len(self._path)
         else:
-            self._path, self._since_check = [], CHECK_EVERY  # unknown: check before the next mask
+            self._path, self._fresh = [], False  # need stays as an estimate until the next check
         self._since_check += 1
         return token
 
@@ -170,13 +175,18 @@ class GrammarState:
             raise RuntimeError(f"grammar refused token {token}: {self.matcher.get_error()}")
 
     def _should_check(self, remaining: int) -> bool:
-        if self.need is None or not self._path and not self.matcher.is_accepting():
+        if self.need is None:
             return True
-        return remaining <= self.need + CHECK_BAND or self._since_check >= CHECK_EVERY
+        if self._fresh:  # followed the path (or checked the token): still the closing path
+            return False
+        slack = remaining - self.need - CHECK_BAND
+        # Far from the end checks are rarer: the slack shrinks by at most GROWTH per token.
+        return slack <= 0 or self._since_check >= max(CHECK_EVERY, slack // GROWTH)
 
     def _check(self) -> None:
         path = _closing_path(self.matcher, self.grammar, MAX_PATH)
         self.need, self._path, self._since_check = (MAX_PATH, [], 0) if path is None else (len(path), path, 0)
+        self._fresh = path is not None
 
     def only(self, token: int) -> np.ndarray:
         """A mask allowing `token` alone."""

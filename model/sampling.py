@@ -142,23 +142,28 @@ def _greedy_rows(logits_BV):
     return jnp.argmax(logits_BV, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("top_n", "draw", "cut"))
+@functools.partial(jax.jit, static_argnames=("top_n", "draw", "cut", "penalize", "bias", "mask"))
 def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, counted_BT, presence_B,
-                        frequency_B, bias_ids_BK, bias_BK, allowed_BW, top_n: int, draw: bool, cut: bool):
+                        frequency_B, bias_ids_BK, bias_BK, allowed_BW, top_n: int, draw: bool, cut: bool,
+                        penalize: bool, bias: bool, mask: bool):
     """Penalties (over the counted ids; id V pads and is dropped), bias, the grammar's bitmask, then the
-    usual sampling; logprobs come from the raw logits. Returns (tokens, chosen logprobs, top ids, top logprobs)."""
+    usual sampling; logprobs come from the raw logits. The static flags leave out what no row uses.
+    Returns (tokens, chosen logprobs, top ids, top logprobs); the last three None when top_n is 0."""
     raw_BV = logits_BV.astype(jnp.float32)
     B, V = raw_BV.shape
     rows_B1 = jnp.arange(B)[:, None]
-    counts_BV = jnp.zeros((B, V), jnp.float32).at[rows_B1, counted_BT].add(1.0, mode="drop")
-    shaped_BV = raw_BV - frequency_B[:, None] * counts_BV - presence_B[:, None] * (counts_BV > 0)
-    shaped_BV = shaped_BV.at[rows_B1, bias_ids_BK].add(bias_BK, mode="drop")
-    vocab_V = jnp.arange(V, dtype=jnp.uint32)
-    words_BV = allowed_BW[:, vocab_V // 32]  # (B, V) the word holding each id's bit
-    bits_BV = jax.lax.shift_right_logical(words_BV, jnp.broadcast_to(vocab_V % 32, words_BV.shape)) & 1
-    shaped_BV = jnp.where(bits_BV > 0, shaped_BV, -jnp.inf)
+    shaped_BV = raw_BV
+    if penalize:
+        counts_BV = jnp.zeros((B, V), jnp.float32).at[rows_B1, counted_BT].add(1.0, mode="drop")
+        shaped_BV = shaped_BV - frequency_B[:, None] * counts_BV - presence_B[:, None] * (counts_BV > 0)
+    if bias:
+        shaped_BV = shaped_BV.at[rows_B1, bias_ids_BK].add(bias_BK, mode="drop")
+    if mask:  # unpack the (B, W) uint32 words into (B, W * 32) bits, no gather
+        bits_BW32 = (allowed_BW[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)[None, None, :]) & 1  # uint32: logical
+        bits_BV = bits_BW32.reshape(B, -1)[:, :V]
+        shaped_BV = jnp.where(bits_BV > 0, shaped_BV, -jnp.inf)
     sampled_B = jnp.argmax(shaped_BV, axis=-1)
-    if draw:  # (static) some row samples at a temperature
+    if draw:  # some row samples at a temperature
         sample = functools.partial(_sample_keyed, cut=cut)
         drawn_B = jax.vmap(sample)(shaped_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
         sampled_B = jnp.where(temperature_B > 0, drawn_B, sampled_B)
@@ -224,7 +229,10 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
     top_n = MAX_LOGPROBS if any(row.params.logprobs is not None for row in rows) else 0
     tokens, chosen, top_ids, top = _sample_shaped_rows(logits_BV, seeds, steps, temperature, top_p, top_k, counted,
                                                        presence, frequency, bias_ids, bias, allowed, top_n=top_n,
-                                                       draw=any(not row.params.greedy for row in rows), cut=cut)
+                                                       draw=any(not row.params.greedy for row in rows), cut=cut,
+                                                       penalize=bool(presence.any() or frequency.any()),
+                                                       bias=bool(bias.any()),
+                                                       mask=any(row.allowed is not None for row in rows))
     tokens = np.asarray(tokens)[:n]
     logprobs = list(none)
     if top_n:

@@ -55,7 +55,7 @@ def smallest_instance_tokens(grammars, source: str) -> int:
 
 async def test_json_schema_output_validates_for_20_seeds_at_temperature_1(tiny, tmp_path, grammars):
     source = grammar_source({"type": "json_schema", "schema": SCHEMA})
-    async with Running(tiny, engine_config(tmp_path, max_batch=16)) as run:
+    async with Running(tiny, engine_config(tmp_path, max_batch=4)) as run:  # a small batch: a quick warm-up
         jobs = [run.job(prompt(i, 12), max_tokens=60, temperature=1.0, seed=i, digest=False)._replace(grammar=source)
                 for i in range(20)]
         results = await asyncio.gather(*(collect(run, job) for job in jobs))
@@ -96,7 +96,7 @@ async def test_a_short_budget_closes_the_json_and_only_a_budget_below_the_smalle
     source = grammar_source({"type": "json_schema", "schema": SCHEMA})
     smallest = smallest_instance_tokens(grammars, source)
     assert 10 < smallest < 40
-    async with Running(tiny, engine_config(tmp_path, max_batch=8)) as run:
+    async with Running(tiny, engine_config(tmp_path, max_batch=4)) as run:
         for budget in (smallest, smallest + 1, smallest + 7):
             jobs = [run.job(prompt(seed, 7), max_tokens=budget, temperature=1.0, seed=seed,
                             digest=False)._replace(grammar=source) for seed in range(4)]
@@ -114,12 +114,14 @@ async def test_a_preempted_grammar_sequence_keeps_its_grammar_state(tiny, tmp_pa
     prompts = [prompt(200 + i, 100) for i in range(4)]
 
     def job(run, i):
-        return run.job(prompts[i], max_tokens=40, temperature=1.0, seed=i, digest=False)._replace(grammar=source)
+        return run.job(prompts[i], max_tokens=40, temperature=1.0, seed=i, digest=False,
+                       frequency_penalty=0.5)._replace(grammar=source)
 
-    async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 40)) as run:
-        alone = [[t["id"] for t in (await collect(run, job(run, i)))[0]] for i in range(4)]
-    # 11 pages: four sequences of 100 + 40 tokens need 12, so the youngest is preempted and resumed.
+    # 11 pages: one sequence of 100 + 40 tokens needs 3, four together need 12, so the youngest is preempted
+    # and resumed (its blocks a memory hit, its grammar state and counts kept with its tokens).
     async with Running(tiny, engine_config(tmp_path, pool_tokens=64 * 10, max_batch=4)) as run:
+        alone = [[t["id"] for t in (await collect(run, job(run, i)))[0]] for i in range(4)]
+        assert run.metrics.preemptions._value.get() == 0
         together = await asyncio.gather(*(collect(run, job(run, i)) for i in range(4)))
         await run.idle()
         run.check_pages()
@@ -133,7 +135,7 @@ async def test_logit_bias_penalties_and_logprobs_through_the_engine(tiny, tmp_pa
     p = prompt(5, 30)
     logits_V = np.asarray(ModelRunner(tiny.model, tiny.config).prefill(p, reserve=8).logits, np.float32)
     logp_V = np.asarray(jax.nn.log_softmax(jnp.asarray(logits_V)))
-    async with Running(tiny, engine_config(tmp_path)) as run:
+    async with Running(tiny, engine_config(tmp_path, max_batch=1)) as run:
         tokens, _ = await collect(run, run.job(p, max_tokens=6, logit_bias=((777, 100.0),)))
         assert [t["id"] for t in tokens] == [777] * 6
         tokens, _ = await collect(run, run.job(p, max_tokens=1, logprobs=20))
