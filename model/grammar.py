@@ -31,7 +31,7 @@ from llguidance.numpy import fill_next_token_bitmask
 CLOSERS_IN_TEXT = ('"}}', '"}', '"]', '""}', '"')
 CLOSERS = ('}}', '}]', ']}', '}', ']', '""}', '""', '"}', '"]', '0}', '0', '[]', '{}', 'null', 'false', 'true', '"',
            ',', ':')
-CHECK_BAND = 48  # tokens: within need + CHECK_BAND of the end, need is recomputed after every token
+CHECK_BAND = 48  # tokens: within need + CHECK_BAND of the end, every token off the closing path is checked
 CHECK_EVERY = 8  # tokens: further out, need is recomputed at least this often ...
 GROWTH = 8  # ... and at most every (remaining - need - CHECK_BAND) / GROWTH tokens: assumes a token adds < 7 to need
 MAX_PATH = 1024  # tokens: a closing path longer than this counts as none (the grammar cannot close)
