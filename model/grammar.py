@@ -93,17 +93,25 @@ class TokenGrammar:
 
 
 @functools.cache
-def _shared(tokenizer_json: str, vocab_size: int, eos_token_id: int) -> TokenGrammar:
-    return TokenGrammar(Path(tokenizer_json), vocab_size, eos_token_id)
+def _shared(tokenizer_json: str, vocab_size: int, eos_token_id: int) -> TokenGrammar | GrammarError:
+    try:
+        return TokenGrammar(Path(tokenizer_json), vocab_size, eos_token_id)
+    except ValueError as error:  # e.g. the packaged V3 tokenizer (129K ids) with a V2 model (102K): kept, not retried
+        return GrammarError(f"constrained decoding is not available for this model: its tokenizer "
+                            f"({tokenizer_json}) does not fit its vocabulary of {vocab_size} ids ({error})")
 
 
 _shared_lock = threading.Lock()
 
 
 def token_grammar(tokenizer_json: Path, vocab_size: int, eos_token_id: int) -> TokenGrammar:
-    """One TokenGrammar per tokenizer file and vocabulary in this process (the tokenizer takes seconds)."""
+    """One TokenGrammar per tokenizer file and vocabulary in this process (the tokenizer takes seconds);
+    raises GrammarError when the tokenizer does not fit the model."""
     with _shared_lock:
-        return _shared(str(tokenizer_json), vocab_size, eos_token_id)
+        grammar = _shared(str(tokenizer_json), vocab_size, eos_token_id)
+    if isinstance(grammar, GrammarError):
+        raise GrammarError(str(grammar))
+    return grammar
 
 
 def default_tokenizer_json(model_dir: Path | None) -> Path:

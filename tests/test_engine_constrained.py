@@ -56,7 +56,7 @@ def smallest_instance_tokens(grammars, source: str) -> int:
 async def test_json_schema_output_validates_for_20_seeds_at_temperature_1(tiny, tmp_path, grammars):
     source = grammar_source({"type": "json_schema", "schema": SCHEMA})
     async with Running(tiny, engine_config(tmp_path, max_batch=4)) as run:  # a small batch: a quick warm-up
-        jobs = [run.job(prompt(i, 12), max_tokens=60, temperature=1.0, seed=i, digest=False)._replace(grammar=source)
+        jobs = [run.job(prompt(i, 12), max_tokens=40, temperature=1.0, seed=i, digest=False)._replace(grammar=source)
                 for i in range(20)]
         results = await asyncio.gather(*(collect(run, job) for job in jobs))
     for tokens, done in results:
@@ -228,3 +228,9 @@ def test_a_complete_answer_ends_rather_than_spend_its_last_token_leaving_the_gra
     y = grammars.tokenizer.tokenize_str("y")[0]
     ids, complete, ended = _adversarial_walk(grammars, source, 2, lambda a: y if y in a else a[a != EOS][0])
     assert text(grammars, ids) == "x" and complete and ended
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_refuses_grammars_by_name():
+    from model.grammar import GrammarError
+    with pytest.raises(GrammarError, match="does not fit its vocabulary of 102400 ids"):
+        token_grammar(default_tokenizer_json(None), 102_400, EOS)
