@@ -11,12 +11,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.common.instance import add_instance_header
 from services.common.request_id import add_request_ids
-from services.gateway.completions_endpoint import ARRIVED, STATE, chat_completions, completions
+from services.gateway.completions_endpoint import (ARRIVED, STATE, chat_completions, completions,
+                                                   served_models)
 from services.gateway.config import GatewayConfig
 from services.gateway.dashboard_routes import add_dashboard_routes
 from services.gateway.gateway_state import GatewayState
-from services.gateway.openai_errors import OpenAIError
-from services.gateway.openai_responses import models_list
+from services.gateway.openai_errors import OpenAIError, model_not_found
+from services.gateway.openai_responses import model_card, models_list
 from services.gateway.openapi_document import openapi_document
 from services.gateway.tenants import admin_allowed
 
@@ -60,7 +61,16 @@ async def openai_error_middleware(request: web.Request, handler) -> web.StreamRe
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.tenants.tenant_for(request.headers.get("Authorization"))
-    return web.json_response(models_list(state.config.served_model, state.started_at))
+    return web.json_response(models_list(served_models(state), state.started_at))
+
+
+async def model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.tenants.tenant_for(request.headers.get("Authorization"))
+    model_id = request.match_info["model"]
+    if model_id not in served_models(state):
+        raise model_not_found(model_id)
+    return web.json_response(model_card(model_id, state.started_at))
 
 
 async def healthz(_request: web.Request) -> web.Response:
@@ -79,8 +89,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_document(state.tokenizer.vocab_size,
-                                              state.config.served_model))
+    return web.json_response(openapi_document(state.tokenizer.vocab_size, served_models(state)))
 
 
 def _require_admin(request: web.Request) -> None:
@@ -126,9 +135,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     add_instance_header(app)
     app.on_startup.append(state.start)
     app.on_cleanup.append(state.stop)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    # DeepSeek serves chat prefix completion and FIM under /beta; both are the same handlers here.
+    for root in ("/v1", "/beta"):
+        app.router.add_post(f"{root}/chat/completions", chat_completions)
+        app.router.add_post(f"{root}/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -11,18 +11,23 @@ from contextlib import aclosing
 from aiohttp import web
 
 from services.common.request_id import REQUEST_ID
+from typing import NamedTuple
+
 from services.gateway.answer_stream import AnswerDelta, AnswerEnd, answer_events
-from services.gateway.chat_template import render_chat, render_completion
+from services.gateway.chat_template import (TOOL_ARGUMENTS_ROLE, TOOL_NAME_ROLE, render_chat,
+                                            render_completion, render_fill_in_middle, tools_prompt)
 from services.gateway.engine_client import EngineUnavailable
 from services.gateway.engine_router import GenerationJob
 from services.gateway.gateway_state import GatewayState
 from services.gateway.tenants import Tenant
 from services.gateway.openai_errors import OpenAIError, invalid, model_not_found, unavailable
 from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest,
-                                              parse_chat_completion, parse_completion,
-                                              parse_json_body)
-from services.gateway.openai_responses import (ResponseHeader, Usage, chat_chunk,
-                                               chat_completion, text_completion, usage_chunk)
+                                              engine_grammar, parse_chat_completion,
+                                              parse_completion, parse_json_body)
+from services.gateway.openai_responses import (ResponseHeader, Usage, chat_chunk, chat_completion,
+                                               chat_logprobs, completion_logprobs, text_completion,
+                                               tool_call_deltas, tool_calls_body, usage_chunk)
+from services.gateway.reply_parser import ReplyParser
 from services.gateway.tenants import admin_allowed
 
 log = logging.getLogger(__name__)
@@ -67,21 +72,52 @@ def _refuse_if_too_long(state: GatewayState, texts: list[str], param: str) -> No
                       f"your prompt is at least {at_least} tokens.", "context_length_exceeded")
 
 
+def served_models(state: GatewayState) -> list[str]:
+    return [state.config.served_model] + ([state.config.reasoner_model] if state.config.reasoner_model else [])
+
+
 def _check_model(state: GatewayState, model: str) -> None:
-    if model != state.config.served_model:
+    if model not in served_models(state):
         raise model_not_found(model)
+
+
+def _needs_tokens(state: GatewayState, param: str, feature: str, *names: str) -> None:
+    if not state.tokenizer.template.has(*names):
+        raise invalid(param, f"Invalid '{param}': the served model's tokenizer has no tokens for "
+                             f"{feature}.", "unsupported_value")
+
+
+def _check_template_tokens(state: GatewayState, parsed: ChatCompletionRequest, thinking: bool) -> None:
+    if thinking or any(m.role == "assistant" and m.prefix for m in parsed.messages):
+        _needs_tokens(state, "thinking", "thinking mode", "think_begin", "think_end")
+    else:
+        _needs_tokens(state, "messages", "DeepSeek-V3.1's chat template", "think_end")
+    if parsed.tools or any(m.role == "tool" or m.tool_calls for m in parsed.messages):
+        _needs_tokens(state, "tools", "tool calls", "tool_calls_begin", "tool_calls_end",
+                      "tool_call_begin", "tool_call_end", "tool_sep", "tool_output_begin",
+                      "tool_output_end")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state, tenant = _authorized(request)
     with state.limits.admitted(tenant.name):  # the tenant's slot, from reading the body to the last byte out
-        parsed = parse_chat_completion(parse_json_body(await _capped_body(request, state)))
+        parsed = parse_chat_completion(parse_json_body(await _capped_body(request, state)),
+                                       state.tokenizer.vocab_size)
         _check_model(state, parsed.model)
+        thinking = parsed.thinking if parsed.thinking is not None else parsed.model == state.config.reasoner_model
+        _check_template_tokens(state, parsed, thinking)
+        grammar = engine_grammar(parsed, state.tokenizer.template)
+        if grammar is not None and thinking:
+            raise invalid("thinking", "Invalid 'thinking': JSON output and forced tool calls are "
+                          "not supported in thinking mode.", "unsupported_value")
         _refuse_if_too_long(state, [message.text for message in parsed.messages], "messages")
+        tools = tools_prompt(tool.definition for tool in parsed.tools) if parsed.tools else ""
         with state.metrics.render_seconds.time():
             tokens = await asyncio.to_thread(render_chat, parsed.messages,
-                                             state.token_cache.for_tenant(tenant.name))
-        return await _generate(request, state, tenant, tokens, parsed, chat=True)
+                                             state.token_cache.for_tenant(tenant.name), tools, thinking)
+        reply = ReplyShape(chat=True, thinking=thinking, parse_tool_calls=parsed.parses_tool_calls,
+                           grammar=grammar, grammar_param="tools" if parsed.forces_tool_call else "response_format")
+        return await _generate(request, state, tenant, tokens, parsed, reply)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -89,39 +125,57 @@ async def completions(request: web.Request) -> web.StreamResponse:
     with state.limits.admitted(tenant.name):
         parsed = parse_completion(parse_json_body(await _capped_body(request, state)), state.tokenizer.vocab_size)
         _check_model(state, parsed.model)
-        if isinstance(parsed.prompt, str):
+        cache = state.token_cache.for_tenant(tenant.name)
+        if parsed.suffix is not None:
+            _needs_tokens(state, "suffix", "fill-in-the-middle", "fim_begin", "fim_hole", "fim_end")
+            _refuse_if_too_long(state, [parsed.prompt, parsed.suffix], "prompt")
+            with state.metrics.render_seconds.time():
+                tokens = await asyncio.to_thread(render_fill_in_middle, parsed.prompt, parsed.suffix, cache)
+        elif isinstance(parsed.prompt, str):
             _refuse_if_too_long(state, [parsed.prompt], "prompt")
             with state.metrics.render_seconds.time():
-                tokens = await asyncio.to_thread(render_completion, parsed.prompt,
-                                                 state.token_cache.for_tenant(tenant.name))
+                tokens = await asyncio.to_thread(render_completion, parsed.prompt, cache)
         else:
             tokens = list(parsed.prompt)
-        return await _generate(request, state, tenant, tokens, parsed, chat=False)
+        return await _generate(request, state, tenant, tokens, parsed, ReplyShape(chat=False))
+
+
+class ReplyShape(NamedTuple):
+    """How the tokens of one answer are read and shown."""
+    chat: bool
+    thinking: bool = False
+    parse_tool_calls: bool = False
+    grammar: dict | None = None
+    grammar_param: str = "response_format"
 
 
 async def _generate(request: web.Request, state: GatewayState, tenant, tokens: list[int],
-                    parsed: ChatCompletionRequest | CompletionRequest, chat: bool
+                    parsed: ChatCompletionRequest | CompletionRequest, reply: ReplyShape
                     ) -> web.StreamResponse:
-    header = ResponseHeader(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-                            int(time.time()), state.config.served_model)
+    response_id = ("chatcmpl-" if reply.chat else "cmpl-") + uuid.uuid4().hex
     eos = (state.tokenizer.special.eos,)
     # The engines log and save under the request id the client sees in X-Request-Id.
     job = GenerationJob(request[REQUEST_ID], tokens, tenant, parsed.sampling, parsed.retention, eos,
-                        "messages" if chat else "prompt", _pinned_engine(request, state))
+                        "messages" if reply.chat else "prompt", _pinned_engine(request, state),
+                        reply.grammar, reply.grammar_param)
     state.limits.charge(tenant.name, len(tokens))
     state.metrics.in_flight.inc()
     try:
         async with state.router.generation(job) as generation:
             first_token_at = time.monotonic()
             state.metrics.ttft_seconds.observe(first_token_at - request[ARRIVED])
-            async with aclosing(answer_events(generation, len(tokens), state.tokenizer,
-                                              parsed.stop, eos)) as answer:
+            header = ResponseHeader(response_id, int(time.time()), parsed.model,
+                                    generation.fingerprint or None)
+            parser = ReplyParser(state.tokenizer, parsed.stop, reply.thinking, reply.parse_tool_calls,
+                                 response_id[-12:])
+            answer_stream = answer_events(generation, len(tokens), parser, eos)
+            async with aclosing(answer_stream) as answer:
                 if parsed.stream:
-                    return await _stream(request, state, header, answer, parsed, chat, first_token_at, tenant.name)
-                return await _whole(state, header, answer, chat, first_token_at, tenant.name)
+                    return await _stream(request, state, header, answer, parsed, reply, first_token_at, tenant.name)
+                return await _whole(state, header, answer, parsed, reply, first_token_at, tenant.name)
     except asyncio.CancelledError:  # the client went away (handler_cancellation)
         state.metrics.client_disconnects.inc()
-        log.info("request %s: client went away, generation cancelled", header.id)
+        log.info("request %s: client went away, generation cancelled", response_id)
         raise
     finally:
         state.metrics.in_flight.dec()
@@ -149,39 +203,71 @@ def _account(state: GatewayState, end: AnswerEnd, text: str, chat: bool, first_t
     state.metrics.prompt_tokens.labels("miss").inc(usage.prompt_tokens - usage.cached_tokens)
     state.metrics.completion_tokens.inc(usage.completion_tokens)
     state.limits.charge(tenant, usage.completion_tokens)
-    added = state.tokenizer.added_token_ids
-    if chat and not end.stopped_by_string and not any(t in added for t in end.token_ids):
+    if chat and not end.stopped_by_string:
         # The next turn re-sends this answer: render it as the ids the model generated, so the
-        # new prompt extends exactly the tokens whose cache the engine saved. Answers with
+        # new prompt extends exactly the tokens whose cache the engine saved. Ids with
         # special-looking tokens are left to plain BPE, so no text can map to a turn boundary.
-        state.token_cache.remember("assistant", text, end.token_ids, tenant)
+        remembered = [("assistant", text, end.content_ids)]
+        for parsed in end.tool_calls:
+            remembered += [(TOOL_NAME_ROLE, parsed.call.name, parsed.name_ids),
+                           (TOOL_ARGUMENTS_ROLE, parsed.call.arguments, parsed.argument_ids)]
+        added = state.tokenizer.added_token_ids
+        for role, role_text, ids in remembered:
+            if not any(t in added for t in ids):
+                state.token_cache.remember(role, role_text, ids, tenant)
     return usage
 
 
-async def _whole(state: GatewayState, header: ResponseHeader, answer, chat: bool,
+class _Collected:
+    """The whole answer, gathered from its deltas."""
+
+    def __init__(self):
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list = []
+
+    def add(self, delta: AnswerDelta) -> None:
+        self.content.append(delta.text)
+        self.reasoning.append(delta.reasoning)
+        self.logprobs.extend(delta.logprobs)
+
+
+def _logprobs_body(state: GatewayState, parsed, chat: bool, entries, text_offset: int = 0) -> dict | None:
+    if parsed.sampling.logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(entries, state.tokenizer)
+    return completion_logprobs(entries, state.tokenizer, text_offset)
+
+
+async def _whole(state: GatewayState, header: ResponseHeader, answer, parsed, reply: ReplyShape,
                  first_token_at: float, tenant: str) -> web.Response:
-    parts: list[str] = []
+    collected = _Collected()
     try:
         async for item in answer:
             if isinstance(item, AnswerDelta):
-                parts.append(item.text)
+                collected.add(item)
             else:
                 end = item
     except EngineUnavailable as failure:
         state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
         log.warning("request %s: engine failed mid-generation: %s", header.id, failure)
         raise unavailable("The engine failed while generating the answer. Try again.") from None
-    text = "".join(parts)
-    usage = _account(state, end, text, chat, first_token_at, tenant)
-    body = (chat_completion(header, text, end.finish_reason, usage) if chat
-            else text_completion(header, text, end.finish_reason, usage))
+    text = "".join(collected.content)
+    usage = _account(state, end, text, reply.chat, first_token_at, tenant)
+    logprobs = _logprobs_body(state, parsed, reply.chat, collected.logprobs + list(end.logprobs))
+    if reply.chat:
+        body = chat_completion(header, text, end.finish_reason, usage,
+                               "".join(collected.reasoning) if reply.thinking else None,
+                               tool_calls_body(p.call for p in end.tool_calls), logprobs)
+    else:
+        body = text_completion(header, text, end.finish_reason, usage, logprobs=logprobs)
     return web.json_response(body)
 
 
 async def _stream(request: web.Request, state: GatewayState, header: ResponseHeader, answer,
-                  parsed: ChatCompletionRequest | CompletionRequest, chat: bool, first_token_at: float,
-                  tenant: str
-                  ) -> web.StreamResponse:
+                  parsed: ChatCompletionRequest | CompletionRequest, reply: ReplyShape,
+                  first_token_at: float, tenant: str) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
@@ -193,7 +279,7 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
 
     try:
         try:
-            await _send_answer(send, state, header, answer, parsed.include_usage, chat, first_token_at, tenant)
+            await _send_answer(send, state, header, answer, parsed, reply, first_token_at, tenant)
         except EngineUnavailable as failure:
             state.metrics.engine_failures.labels(failure.url, "mid_generation").inc()
             log.warning("request %s: engine failed mid-stream: %s", header.id, failure)
@@ -209,28 +295,45 @@ async def _stream(request: web.Request, state: GatewayState, header: ResponseHea
     return response
 
 
-async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer,
-                       include_usage: bool, chat: bool, first_token_at: float, tenant: str) -> None:
+def _chat_delta(item: AnswerDelta) -> dict:
+    """DeepSeek streams reasoning as `reasoning_content` deltas, then the content as `content`."""
+    delta = {}
+    if item.reasoning:
+        delta["reasoning_content"] = item.reasoning
+    if item.text or (item.logprobs and not item.tool_calls):
+        delta["content"] = item.text
+    if item.tool_calls:
+        delta["tool_calls"] = tool_call_deltas(item.tool_calls)
+    return delta
+
+
+async def _send_answer(send, state: GatewayState, header: ResponseHeader, answer, parsed,
+                       reply: ReplyShape, first_token_at: float, tenant: str) -> None:
+    include_usage, chat = parsed.include_usage, reply.chat
     if chat:
         await send(chat_chunk(header, {"role": "assistant", "content": ""},
                               include_usage_field=include_usage))
     parts: list[str] = []
+    offset = 0  # characters of text sent so far (completions' logprobs text_offset)
     async for item in answer:
         if isinstance(item, AnswerDelta):
             parts.append(item.text)
-            await send(chat_chunk(header, {"content": item.text},
-                                  include_usage_field=include_usage) if chat
-                       else text_completion(header, item.text, None,
-                                            include_usage_field=include_usage))
+            logprobs = _logprobs_body(state, parsed, chat, item.logprobs, offset) if item.logprobs else None
+            offset += len(item.text)
+            await send(chat_chunk(header, _chat_delta(item), include_usage_field=include_usage,
+                                  logprobs=logprobs) if chat
+                       else text_completion(header, item.text, None, include_usage_field=include_usage,
+                                            logprobs=logprobs))
             continue
         usage = _account(state, item, "".join(parts), chat, first_token_at, tenant)
+        logprobs = _logprobs_body(state, parsed, chat, item.logprobs, offset) if item.logprobs else None
         # OpenAI sends usage in an extra choice-less chunk when asked; DeepSeek always puts it
         # on the last chunk. Either way it appears exactly once.
         last_usage = None if include_usage else usage
         await send(chat_chunk(header, {}, item.finish_reason, last_usage,
-                              include_usage_field=include_usage) if chat
+                              include_usage_field=include_usage, logprobs=logprobs) if chat
                    else text_completion(header, "", item.finish_reason, last_usage,
-                                        include_usage_field=include_usage))
+                                        include_usage_field=include_usage, logprobs=logprobs))
         if include_usage:
             await send(usage_chunk(header, "chat.completion.chunk" if chat else "text_completion",
                                    usage))

@@ -37,6 +37,8 @@ class GatewayConfig:
     index_prefix: str = field(default="dikv", metadata={"help": "prefix index Redis key prefix"})
     served_model: str = field(default="deepseek-chat", metadata={
         "help": "the model name clients send and /v1/models lists"})
+    reasoner_model: str = field(default="deepseek-reasoner", metadata={
+        "help": "a second model name for the same model in thinking mode (empty: none)"})
     tokenizer_json: str = field(default=str(DEFAULT_TOKENIZER_JSON), metadata={
         "help": "tokenizer.json of the served model"})
     token_cache_bytes: int = field(default=256 << 20, metadata={

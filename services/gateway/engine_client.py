@@ -1,8 +1,10 @@
 """HTTP client for one engine's internal API.
 
 POST /internal/generate streams NDJSON events: {"type": "progress"} once admitted and every few
-seconds while the request waits or prefills, {"type": "token", "id"}, then {"type": "done",
-"finish_reason", "prompt_tokens", "cached_tokens", "timing"}, or {"type": "error", "message"}.
+seconds while the request waits or prefills, {"type": "token", "id"} (with "logprob" and
+"top_logprobs" [[id, logprob], ...] when the job asked for logprobs), then {"type": "done",
+"finish_reason", "prompt_tokens", "cached_tokens", "timing"} (with "grammar_complete" when the job
+had a grammar), or {"type": "error", "message"}.
 The read timeout is a silence timeout: progress events keep a long prefill alive.
 503 + Retry-After means its queue is full; 400 carries an OpenAI-style error for bad input.
 Closing the response cancels the generation on the engine.
@@ -23,6 +25,8 @@ from services.common.service_auth import bearer_headers
 class TokenEvent(NamedTuple):
     token_id: int
     cached_tokens: int | None = None  # on the first token: prompt tokens the engine really loaded
+    logprob: float | None = None      # the model's log-softmax of this token (before any mask)
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class DoneEvent(NamedTuple):
@@ -30,6 +34,7 @@ class DoneEvent(NamedTuple):
     prompt_tokens: int
     cached_tokens: int   # prompt tokens loaded from the cache (after verification)
     timing: dict         # engine's own timings, seconds
+    grammar_complete: bool | None = None  # None: the job had no grammar
 
 
 EngineEvent = TokenEvent | DoneEvent
@@ -129,10 +134,16 @@ class EngineClient:
                 kind = event.get("type")
                 if kind == "token":
                     cached = event.get("cached_tokens")
-                    yield TokenEvent(int(event["id"]), None if cached is None else int(cached))
+                    logprob = event.get("logprob")
+                    top = event.get("top_logprobs")
+                    yield TokenEvent(int(event["id"]), None if cached is None else int(cached),
+                                     None if logprob is None else float(logprob),
+                                     None if top is None else tuple((int(t), float(lp)) for t, lp in top))
                 elif kind == "done":
+                    complete = event.get("grammar_complete")
                     yield DoneEvent(event["finish_reason"], int(event["prompt_tokens"]),
-                                    int(event["cached_tokens"]), event.get("timing") or {})
+                                    int(event["cached_tokens"]), event.get("timing") or {},
+                                    None if complete is None else bool(complete))
                     return
                 elif kind == "error":
                     raise EngineUnavailable(self.url, f"engine error: {event.get('message')}")

@@ -38,6 +38,8 @@ class GenerationJob(NamedTuple):
     stop_token_ids: tuple[int, ...]
     prompt_param: str              # request field blamed for an over-long prompt
     engine: str | None = None      # pinned by an admin (X-DeepInfer-Engine): an engine URL or index
+    grammar: dict | None = None    # the engine's constraint: json_object, json_schema or lark
+    grammar_param: str = "response_format"  # request field blamed for a grammar the engine refuses
 
 
 class Generation(NamedTuple):
@@ -45,6 +47,7 @@ class Generation(NamedTuple):
     hit_tokens: int                # prompt tokens the index found (the engine may verify fewer)
     first: EngineEvent
     events: AsyncIterator[EngineEvent]  # the events after `first`
+    fingerprint: str = ""          # the engine's model fingerprint (the response's system_fingerprint)
 
 
 class EngineRouter:
@@ -95,12 +98,13 @@ class EngineRouter:
                 continue
             except EngineRejected as rejected:
                 await stack.aclose()
-                raise _user_error(rejected, job.prompt_param) from None
+                raise _user_error(rejected, job) from None
             except BaseException:
                 await stack.aclose()
                 raise
             async with stack:
-                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first, events)
+                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first, events,
+                                 stats.fingerprint)
             return
         retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
         raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
@@ -162,7 +166,12 @@ class EngineRouter:
 
 
 def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int) -> dict:
-    """The POST /internal/generate body."""
+    """The POST /internal/generate body; the optional fields only when they do something."""
+    sampling = job.sampling
+    optional = {"presence_penalty": sampling.presence_penalty,
+                "frequency_penalty": sampling.frequency_penalty,
+                "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
+                "logprobs": sampling.logprobs, "grammar": job.grammar}
     return {
         "request_id": job.request_id,
         "tokens": job.tokens,
@@ -179,16 +188,23 @@ def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_token
         "seed": job.sampling.seed,
         "stop_token_ids": list(job.stop_token_ids),
         "retention": job.retention,
+        **{name: value for name, value in optional.items() if value not in (None, 0.0, {})},
     }
 
 
 # Engine fields a user set by name; any other field the engine blames (e.g. "tokens") is the prompt.
-_USER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_USER_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+                "frequency_penalty", "logit_bias", "logprobs")
 
 
-def _user_error(rejected: EngineRejected, prompt_param: str) -> OpenAIError:
+
+def _user_error(rejected: EngineRejected, job: GenerationJob) -> OpenAIError:
     error = rejected.error
     param = error.get("param")
+    if param == "grammar":  # the engine could not compile the schema: blame what it came from
+        param = job.grammar_param
+    elif param not in _USER_FIELDS:
+        param = job.prompt_param
     return OpenAIError(str(error.get("message") or "The engine rejected the request."),
-                       param=param if param in _USER_FIELDS else prompt_param,
+                       param=param,
                        code=error.get("code") or "invalid_value")

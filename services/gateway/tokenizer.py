@@ -27,6 +27,32 @@ class SpecialTokens(NamedTuple):
     assistant: int  # <｜Assistant｜>
 
 
+class TemplateTokens(NamedTuple):
+    """Tokens of DeepSeek-V3.1's tool, thinking and FIM formats. A tokenizer without one of them
+    (V2's has none) cannot serve the features that need it; the request is refused (400)."""
+    think_begin: int | None        # <think>
+    think_end: int | None          # </think>
+    tool_calls_begin: int | None   # <｜tool▁calls▁begin｜>
+    tool_calls_end: int | None     # <｜tool▁calls▁end｜>
+    tool_call_begin: int | None    # <｜tool▁call▁begin｜>
+    tool_call_end: int | None      # <｜tool▁call▁end｜>
+    tool_sep: int | None           # <｜tool▁sep｜>
+    tool_output_begin: int | None  # <｜tool▁output▁begin｜>
+    tool_output_end: int | None    # <｜tool▁output▁end｜>
+    fim_begin: int | None          # <｜fim▁begin｜>
+    fim_hole: int | None           # <｜fim▁hole｜>
+    fim_end: int | None            # <｜fim▁end｜>
+
+    def has(self, *names: str) -> bool:
+        return all(getattr(self, name) is not None for name in names)
+
+
+_TEMPLATE_TOKEN_TEXTS = TemplateTokens(
+    "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+    "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>")
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte is shown as one printable character."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -62,7 +88,11 @@ class DeepSeekTokenizer:
             user=self._required_id("<｜User｜>"),
             assistant=self._required_id("<｜Assistant｜>"),
         )
+        # Only added tokens count: a vocabulary piece that happens to spell "<think>" is text.
+        ids = (self._full.token_to_id(text) for text in _TEMPLATE_TOKEN_TEXTS)
+        self.template = TemplateTokens(*(i if i in self.added_token_ids else None for i in ids))
         self._token_bytes = self._build_token_bytes(added)
+        self._template_ids: dict[str, list[int]] = {}
 
     def _required_id(self, content: str) -> int:
         token_id = self._full.token_to_id(content)
@@ -96,8 +126,21 @@ class DeepSeekTokenizer:
                 [_without_lone_surrogates(text) for text in texts], add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
+    def encode_template_text(self, text: str) -> list[int]:
+        """Ids of the template's own fixed text, whose special-token spellings ARE special tokens
+        (the tool-format example in the system prompt). Never for user-supplied text."""
+        if text not in self._template_ids:
+            self._template_ids[text] = self._full.encode(text, add_special_tokens=False).ids
+        return self._template_ids[text]
+
     def token_bytes(self, token_id: int) -> bytes:
         return self._token_bytes[token_id]
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """What a logprobs entry shows for an id: its bytes, a special token's own text included."""
+        if token_id in self.added_token_ids:
+            return (self._full.id_to_token(token_id) or "").encode("utf-8")
+        return self._token_bytes[token_id] if 0 <= token_id < self.vocab_size else b""
 
     def decode(self, token_ids: list[int]) -> str:
         return self._full.decode(token_ids, skip_special_tokens=True)
