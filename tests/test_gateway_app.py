@@ -124,7 +124,14 @@ async def test_openai_client_sees_field_errors(serve):
         await client.completions.create(model="deepseek-chat", prompt=[1, 2, 3])
     assert caught.value.status_code == 503
     models = await client.models.list()
-    assert [m.id for m in models.data] == ["deepseek-chat"]
+    assert [m.id for m in models.data] == ["deepseek-chat", "deepseek-reasoner"]
+    assert (await client.models.retrieve("deepseek-reasoner")).id == "deepseek-reasoner"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model="deepseek-chat", presence_penalty=5,
+                                             messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.param == "presence_penalty"
     await client.close()
 
 
