@@ -40,6 +40,7 @@ from tqdm import tqdm
 from model.config import ModelConfig, from_hf_config
 from model.transformer import DeepseekModel
 from model.weights import combine_digest, tensor_line, write_identity
+from model.tokenizer_files import copy_tokenizer_files
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -293,5 +294,6 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(out / "params", _nest(target, leaves))
     digest = combine_digest(lines)
+    copy_tokenizer_files(hf_dir, out)
     shapes = {path: list(want.shape) for path, want in expected.items()}
     return Converted(out, cfg, write_identity(out, cfg, digest, shapes), digest)

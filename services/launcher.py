@@ -163,7 +163,7 @@ class Stack:
                     "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
                     "--cache-dtype", self.cfg.cache_dtype,
                     "--budget-bytes", str(int(self.cfg.budget_gib * (1 << 30)))])
-            gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port),
+            gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port), "--model-dir", model_dir,
                        "--redis-url", self.redis_url if cache else "", "--kvstore-url", self.kvstore_url,
                        "--log-format", self.cfg.log_format]
             gateway += [arg for url in self.engine_urls for arg in ("--engine", url)]

@@ -40,7 +40,9 @@ class GatewayConfig:
     reasoner_model: str = field(default="deepseek-reasoner", metadata={
         "help": "a second model name for the same model in thinking mode (empty: none)"})
     tokenizer_json: str = field(default=str(DEFAULT_TOKENIZER_JSON), metadata={
-        "help": "tokenizer.json of the served model"})
+        "help": "tokenizer.json of the served model, when the model directory has none"})
+    model_dir: str = field(default="", metadata={
+        "help": "the served model's directory: its tokenizer/ (copied by the converter) is used when present"})
     token_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "bytes of cached message token ids"})
     default_max_tokens: int = field(default=4096, metadata={

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from kvstore.index import PrefixIndex, open_redis
+from model.tokenizer_files import model_tokenizer_json
 from services.gateway.config import GatewayConfig, api_keys
 from services.gateway.engine_client import EngineClient
 from services.gateway.engine_pool import EnginePool
@@ -42,7 +44,7 @@ class GatewayState:
 
     @classmethod
     def build(cls, config: GatewayConfig) -> "GatewayState":
-        tokenizer = shared_tokenizer(config.tokenizer_json)
+        tokenizer = shared_tokenizer(model_tokenizer_json(config.model_dir) or Path(config.tokenizer_json))
         return cls(config=config, tokenizer=tokenizer,
                    token_cache=TokenCache(tokenizer, config.token_cache_bytes),
                    tenants=TenantKeys(api_keys(config.api_keys), config.open_access, config.salt_key),
