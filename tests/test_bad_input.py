@@ -25,7 +25,7 @@ KVSTORE_MAX_BODY_MIB = 4  # so the oversized case is 4 MiB, not the default 512 
 CHAT = {"model": "deepseek-chat", "max_tokens": 2, "temperature": 0,
         "messages": [{"role": "user", "content": "hello"}]}
 FUZZ_MAX_TOKENS = 4  # keeps generated valid requests short: the default budget is the whole context
-DOCUMENT = openapi_document(vocab_size=2, served_model="deepseek-chat")  # the paths, for parametrize
+DOCUMENT = openapi_document(vocab_size=2, served_models=["deepseek-chat", "deepseek-reasoner"])  # the paths, for parametrize
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,10 @@ import pytest
 
 from services.gateway.chat_template import ChatMessage
 from services.gateway.openai_errors import OpenAIError
-from services.gateway.openai_requests import (parse_chat_completion, parse_completion,
+from services.gateway.openai_requests import (engine_grammar, parse_chat_completion, parse_completion,
                                               parse_json_body)
+from services.gateway.chat_template import ToolCall
+from services.gateway.tokenizer import shared_tokenizer
 from services.gateway.openapi_document import openapi_document
 
 VOCAB = 129_280
@@ -183,3 +185,51 @@ def test_schema_and_parser_agree_on_completion_bodies():
         for field in rng.sample(FIELDS + ["echo"], rng.randint(0, 4)):
             body[field] = rng.choice(VALUES)
         _agrees(lambda b: parse_completion(b, VOCAB), validator, body)
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_structured_fields_parse():
+    request = parse_chat_completion(chat(
+        messages=[{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"}]},
+                  {"role": "assistant", "content": "It is", "prefix": True}],
+        tools=[TOOL], tool_choice="auto", parallel_tool_calls=False, presence_penalty=-2,
+        frequency_penalty=1.5, logit_bias={"0": -100, "129279": 100}, logprobs=True, top_logprobs=20,
+        thinking={"type": "disabled"}), VOCAB)
+    assert request.messages[1].tool_calls == (ToolCall("c1", "get_weather", "{}"),)
+    assert request.messages[2].text == "sunny" and request.messages[3].prefix
+    assert request.tools[0].name == "get_weather" and request.tool_choice.mode == "auto"
+    assert request.parses_tool_calls and not request.forces_tool_call and not request.parallel_tool_calls
+    assert (request.sampling.presence_penalty, request.sampling.frequency_penalty) == (-2.0, 1.5)
+    assert request.sampling.logit_bias == ((0, -100.0), (129279, 100.0)) and request.sampling.logprobs == 20
+    assert request.thinking is False and engine_grammar(request, shared_tokenizer().template) is None
+    assert error_of(parse_chat_completion, chat(logit_bias={"129280": 1}), VOCAB).param == "logit_bias"
+    completion = parse_completion({"model": "m", "prompt": "def f(", "suffix": "\n", "logprobs": 0}, VOCAB)
+    assert completion.suffix == "\n" and completion.sampling.logprobs == 0
+    assert error_of(parse_completion, {"model": "m", "prompt": [1], "suffix": "x"}, VOCAB).param == "suffix"
+    assert error_of(parse_completion, {"model": "m", "prompt": "x", "best_of": 2}, VOCAB).param == "best_of"
+
+
+def test_forced_tool_calls_and_json_output_become_engine_grammars():
+    template = shared_tokenizer().template
+    other = {"type": "function", "function": {"name": "other"}}
+    named = parse_chat_completion(chat(tools=[TOOL, other],
+                                       tool_choice={"type": "function", "function": {"name": "other"}}))
+    grammar = engine_grammar(named, template)
+    assert grammar["type"] == "lark" and '"other"' in grammar["grammar"] and "get_weather" not in grammar["grammar"]
+    assert f"<[{template.tool_calls_begin}]> call <[{template.tool_calls_end}]>" in grammar["grammar"]
+    required = engine_grammar(parse_chat_completion(chat(tools=[TOOL, other], tool_choice="required")), template)
+    assert "call+" in required["grammar"]  # parallel_tool_calls defaults to true
+    assert '"whitespace_flexible": false' in required["grammar"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert engine_grammar(parse_chat_completion(chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})), template) == {
+        "type": "json_schema", "schema": schema}
+    assert engine_grammar(parse_chat_completion(chat(response_format={"type": "json_object"})), template) == {
+        "type": "json_object"}
+    assert engine_grammar(parse_chat_completion(chat(response_format={"type": "text"})), template) is None

@@ -159,6 +159,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
                         "messages" if reply.chat else "prompt", _pinned_engine(request, state),
                         reply.grammar, reply.grammar_param)
     state.limits.charge(tenant.name, len(tokens))
+    if parsed.user is not None:  # OpenAI's end-user id, for abuse monitoring: kept in the log
+        log.info("request %s: end user %r of tenant %s", request[REQUEST_ID], parsed.user[:256], tenant.name)
     state.metrics.in_flight.inc()
     try:
         async with state.router.generation(job) as generation:

@@ -146,10 +146,11 @@ def parse_response_format(value: Any) -> dict | None:
 
 def tool_call_grammar(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool,
                       template: TemplateTokens) -> dict:
-    """The Lark grammar forcing one call (or, with parallel_tool_calls, one or more) of the allowed
-    tools, in the V3.1 layout:
+    """The Lark grammar forcing one call of the named tool, or under "required" one call (with
+    parallel_tool_calls, one or more) of any tool, in the V3.1 layout:
     <｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>"""
     allowed = [tool for tool in tools if choice.mode != "function" or tool.name == choice.name]
+    parallel = parallel and choice.mode == "required"
     lines = [f"start: <[{template.tool_calls_begin}]> call{'+' if parallel else ''} "
              f"<[{template.tool_calls_end}]>",
              f"call: <[{template.tool_call_begin}]> ({' | '.join(f'f{i}' for i in range(len(allowed)))}) "
