@@ -84,8 +84,8 @@ def test_defaults_and_aliases():
     ({"response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "response_format"),
     ({"thinking": {"type": "maybe"}}, "thinking"),
-    ({"messages": [{"role": "assistant", "content": "a", "prefix": True},
-                   {"role": "user", "content": "b"}]}, "messages[0].prefix"),
+    ({"messages": [{"role": "assistant", "content": "a", "prefix": True, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].prefix"),
     ({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -203,6 +203,9 @@ def test_structured_fields_parse():
         thinking={"type": "disabled"}), VOCAB)
     assert request.messages[1].tool_calls == (ToolCall("c1", "get_weather", "{}"),)
     assert request.messages[2].text == "sunny" and request.messages[3].prefix
+    earlier = parse_chat_completion(chat(messages=[{"role": "assistant", "content": "a", "prefix": True},
+                                                   {"role": "user", "content": "b"}]))
+    assert not earlier.messages[0].prefix  # completed in an earlier turn: history
     assert request.tools[0].name == "get_weather" and request.tool_choice.mode == "auto"
     assert request.parses_tool_calls and not request.forces_tool_call and not request.parallel_tool_calls
     assert (request.sampling.presence_penalty, request.sampling.frequency_penalty) == (-2.0, 1.5)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from services.gateway.engine_router import GenerationJob
 from services.gateway.gateway_state import GatewayState
 from services.gateway.tenants import Tenant
 from services.gateway.openai_errors import OpenAIError, invalid, model_not_found, unavailable
-from services.gateway.openai_requests import (ChatCompletionRequest, CompletionRequest,
+from services.gateway.openai_requests import (MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest,
                                               engine_grammar, parse_chat_completion,
                                               parse_completion, parse_json_body)
 from services.gateway.openai_responses import (ResponseHeader, Usage, chat_chunk, chat_completion,
@@ -115,6 +116,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         with state.metrics.render_seconds.time():
             tokens = await asyncio.to_thread(render_chat, parsed.messages,
                                              state.token_cache.for_tenant(tenant.name), tools, thinking)
+        if parsed.tools and parsed.tool_choice.mode == "none":
+            parsed = _without_tool_calls(parsed, state.tokenizer.template.tool_calls_begin)
         reply = ReplyShape(chat=True, thinking=thinking, parse_tool_calls=parsed.parses_tool_calls,
                            grammar=grammar, grammar_param="tools" if parsed.forces_tool_call else "response_format")
         return await _generate(request, state, tenant, tokens, parsed, reply)
@@ -138,6 +141,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
         else:
             tokens = list(parsed.prompt)
         return await _generate(request, state, tenant, tokens, parsed, ReplyShape(chat=False))
+
+
+def _without_tool_calls(parsed: ChatCompletionRequest, calls_begin: int) -> ChatCompletionRequest:
+    """tool_choice "none" with tools in the prompt: <｜tool▁calls▁begin｜> gets a -100 bias (OpenAI's
+    ban), so the model cannot start a call."""
+    bias = dict(parsed.sampling.logit_bias)
+    if calls_begin not in bias and len(bias) >= MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"Invalid 'logit_bias': with tool_choice 'none' at most "
+                      f"{MAX_LOGIT_BIAS - 1} entries (one is used to keep the model from calling).",
+                      "invalid_value")
+    bias[calls_begin] = -100.0
+    return dataclasses.replace(parsed, sampling=dataclasses.replace(parsed.sampling, logit_bias=tuple(bias.items())))
 
 
 class ReplyShape(NamedTuple):

@@ -313,11 +313,12 @@ def _message(index: int, message: Any, last: bool) -> ChatMessage:
         raise invalid(f"{param}.tool_call_id", f"Invalid '{param}.tool_call_id': a tool message "
                       "needs the id (a string) of the call it answers.", "invalid_value")
     tool_calls = _tool_calls(message, param) if role == "assistant" else ()
-    prefix = _boolean(message, "prefix", f"{param}.prefix")
-    if prefix and (not last or tool_calls):
-        raise invalid(f"{param}.prefix", f"Invalid '{param}.prefix': only the last message, an "
-                      "assistant message without tool_calls, can be a prefix to continue.",
-                      "invalid_value")
+    # The model continues a prefix only when it is the last message; an earlier one is a prefix
+    # that an earlier turn completed, now history like any other answer.
+    prefix = _boolean(message, "prefix", f"{param}.prefix") and last
+    if prefix and tool_calls:
+        raise invalid(f"{param}.prefix", f"Invalid '{param}.prefix': a message with tool_calls cannot "
+                      "be a prefix to continue.", "invalid_value")
     if message.get("content") is None and role == "assistant":
         return ChatMessage(role, "", tool_calls, prefix)
     return ChatMessage(role, _content(message, param), tool_calls, prefix)

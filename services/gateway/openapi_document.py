@@ -197,8 +197,9 @@ def _request_schemas(vocab_size: int, served_models: list[str]) -> dict:
                  "properties": {"role": {"const": "assistant"}, "content": _nullable(content),
                                 "tool_calls": _nullable({"type": "array", "items": _ref("ToolCallIn")}),
                                 "prefix": _nullable({"type": "boolean", "description":
-                                                     "Only on the last message, without tool_calls: "
-                                                     "the model continues this text."})},
+                                                     "On the last message (without tool_calls): the "
+                                                     "model continues this text. On an earlier message: "
+                                                     "a prefix completed before, rendered as history."})},
                  "if": {"required": ["prefix"], "properties": {"prefix": {"const": True}}},
                  "then": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}}},
             ],
@@ -226,8 +227,7 @@ def _request_schemas(vocab_size: int, served_models: list[str]) -> dict:
             "type": "object", "required": ["model", "messages"], "additionalProperties": False,
             "properties": {
                 "model": model,
-                "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage"),
-                             "description": "Only the last message may have prefix: true."},
+                "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
                 **sampling,
                 "logprobs": _nullable({"type": "boolean"}),
                 "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
