@@ -75,6 +75,16 @@ def test_named_tool_choice_calls_that_tool(client):
         _validate_call(call, CLOCK)
 
 
+def test_tool_choice_none_keeps_the_model_from_calling(client):
+    calls_begin = shared_tokenizer().template.tool_calls_begin
+    # Even a +100 bias on <｜tool▁calls▁begin｜> cannot start a call: "none" bans the token.
+    reply = client.chat.completions.create(model="deepseek-chat", messages=ASK, tools=[WEATHER],
+                                           tool_choice="none", temperature=0, max_tokens=4,
+                                           logit_bias={str(calls_begin): 100})
+    assert reply.choices[0].message.tool_calls is None
+    assert "tool▁calls▁begin" not in reply.choices[0].message.content
+
+
 def test_streamed_tool_call_deltas_assemble_to_the_unstreamed_call(client):
     kwargs = dict(model="deepseek-chat", messages=ASK, tools=[WEATHER], tool_choice="required",
                   temperature=1, seed=7, max_tokens=96)

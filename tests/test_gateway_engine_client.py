@@ -101,3 +101,20 @@ async def test_router_without_a_ready_engine_says_so(session):
             async with router.generation(job):
                 pass
         assert caught.value.status == 503 and message in caught.value.message
+
+
+def test_job_body_carries_the_optional_fields_only_when_set():
+    from kvstore.location import Hit
+    from services.gateway.engine_router import GenerationJob, engine_job_body
+    from services.gateway.openai_requests import Sampling
+    from services.gateway.tenants import Tenant
+    tenant = Tenant("t", "0" * 32)
+    plain = GenerationJob("r", [1, 2], tenant, Sampling(max_tokens=4), "chat", (1,), "messages")
+    body = engine_job_body(plain, [], Hit(b"", (), ()), 4)
+    assert not {"presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "grammar"} & set(body)
+    grammar = {"type": "json_object"}
+    full = plain._replace(sampling=Sampling(max_tokens=4, presence_penalty=0.5, frequency_penalty=-1.0,
+                                            logit_bias=((7, 100.0),), logprobs=0), grammar=grammar)
+    body = engine_job_body(full, [], Hit(b"", (), ()), 4)
+    assert (body["presence_penalty"], body["frequency_penalty"], body["logit_bias"], body["logprobs"],
+            body["grammar"]) == (0.5, -1.0, {"7": 100.0}, 0, grammar)
