@@ -168,10 +168,11 @@ class EngineRouter:
 def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int) -> dict:
     """The POST /internal/generate body; the optional fields only when they do something."""
     sampling = job.sampling
-    optional = {"presence_penalty": sampling.presence_penalty,
-                "frequency_penalty": sampling.frequency_penalty,
-                "logit_bias": {str(token): bias for token, bias in sampling.logit_bias},
-                "logprobs": sampling.logprobs, "grammar": job.grammar}
+    optional = {"presence_penalty": sampling.presence_penalty or None,
+                "frequency_penalty": sampling.frequency_penalty or None,
+                "logit_bias": {str(token): bias for token, bias in sampling.logit_bias} or None,
+                "logprobs": sampling.logprobs,  # 0 is "the chosen token's logprob only"
+                "grammar": job.grammar}
     return {
         "request_id": job.request_id,
         "tokens": job.tokens,
@@ -188,7 +189,7 @@ def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_token
         "seed": job.sampling.seed,
         "stop_token_ids": list(job.stop_token_ids),
         "retention": job.retention,
-        **{name: value for name, value in optional.items() if value not in (None, 0.0, {})},
+        **{name: value for name, value in optional.items() if value is not None},
     }
 
 
