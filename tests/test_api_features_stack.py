@@ -153,6 +153,17 @@ def test_logit_bias_makes_greedy_pick_the_token(client):
     assert all(e.logprob < -1 for e in reply.choices[0].logprobs.content)
 
 
+def test_penalties_push_greedy_away_from_repeats(client):
+    """Greedy decoding of random weights repeats itself; presence and frequency penalties (subtracted from
+    the logits of tokens already generated) make it use more distinct tokens. Greedy: no randomness."""
+    kwargs = dict(model="deepseek-chat", messages=ASK, temperature=0, max_tokens=24, logprobs=True)
+    plain = [e.token for e in client.chat.completions.create(**kwargs).choices[0].logprobs.content]
+    penalized = [e.token for e in client.chat.completions.create(
+        presence_penalty=2, frequency_penalty=2, **kwargs).choices[0].logprobs.content]
+    assert len(set(plain)) < len(plain)  # the unpenalized answer repeats a token
+    assert len(set(penalized)) > len(set(plain))
+
+
 def test_fim_and_prefix_completion_render_deepseeks_tokens(client, stack, cache):
     beta = OpenAI(base_url=stack.gateway_url + "/beta", api_key="key-a", max_retries=0, timeout=300)
     prefix, suffix = "def add(a, b):\n", "\n    return c\n"

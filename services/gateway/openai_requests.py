@@ -243,6 +243,7 @@ def _streaming(body: dict) -> tuple[bool, bool]:
     if not stream:
         raise invalid("stream_options", "The 'stream_options' parameter is only allowed when "
                                         "'stream' is enabled.", "invalid_value")
+    _refuse_unknown(options, {"include_usage"}, "stream_options.")
     return stream, _boolean(options, "include_usage", "stream_options.include_usage")
 
 

@@ -38,7 +38,7 @@ _SAMPLING_PROPERTIES = {
     ]}),
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({
-        "type": "object",
+        "type": "object", "additionalProperties": False,
         "properties": {"include_usage": _nullable({"type": "boolean"})},
         "description": "Only allowed when stream is true.",
     }),
