@@ -201,3 +201,17 @@ def test_fill_in_the_middle_layout(cache):
                                   "\n    return c\n<｜fim▁end｜>")
     forged = render_fill_in_middle("<｜fim▁hole｜>", "", cache)
     assert forged.count(cache.tokenizer.template.fim_hole) == 1
+
+
+def test_a_tokenizer_without_think_tokens_gets_the_v3_layout(tmp_path):
+    """A converted model's own tokenizer may predate V3.1 (no <think>, </think>): plain chat keeps
+    DeepSeek-V3's first layout, and the gateway refuses thinking mode for it (its template has none)."""
+    from services.gateway.tokenizer import DEFAULT_TOKENIZER_JSON, DeepSeekTokenizer
+    spec = json.loads(DEFAULT_TOKENIZER_JSON.read_text(encoding="utf-8"))
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in ("<think>", "</think>")]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    older = TokenCache(DeepSeekTokenizer(tmp_path / "tokenizer.json"), 1 << 20)
+    assert not older.tokenizer.template.has("think_end") and older.tokenizer.template.has("tool_sep")
+    special = older.tokenizer.special
+    assert render_chat([ChatMessage("user", "hi")], older) == [
+        special.bos, special.user, *older.tokenizer.encode_text("hi"), special.assistant]

@@ -96,8 +96,7 @@ def render_chat(messages: Iterable[ChatMessage], cache: TokenCache | TenantToken
             after_user = False
         elif message.role == "assistant":
             if after_user:
-                tokens.append(special.assistant)
-                tokens.append(template.think_begin if message.prefix and thinking else template.think_end)
+                tokens += _assistant_start(special.assistant, template, message.prefix and thinking)
             tokens.extend(ids)
             for index, _call in enumerate(message.tool_calls):
                 if index == 0:
@@ -112,8 +111,15 @@ def render_chat(messages: Iterable[ChatMessage], cache: TokenCache | TenantToken
         else:
             raise ValueError(f"unknown chat role {message.role!r}")
     if after_user:
-        tokens += [special.assistant, template.think_begin if thinking else template.think_end]
+        tokens += _assistant_start(special.assistant, template, thinking)
     return tokens
+
+
+def _assistant_start(assistant: int, template, thinking: bool) -> list[int]:
+    """<｜Assistant｜> then <think> (thinking) or </think>; a tokenizer without </think> (DeepSeek-V3's
+    first template, V2's vocabulary) gets <｜Assistant｜> alone, as its own template writes it."""
+    mark = template.think_begin if thinking else template.think_end
+    return [assistant] if mark is None else [assistant, mark]
 
 
 def render_completion(prompt: str, cache: TokenCache | TenantTokenCache) -> list[int]:

@@ -89,10 +89,8 @@ def _needs_tokens(state: GatewayState, param: str, feature: str, *names: str) ->
 
 
 def _check_template_tokens(state: GatewayState, parsed: ChatCompletionRequest, thinking: bool) -> None:
-    if thinking or any(m.role == "assistant" and m.prefix for m in parsed.messages):
+    if thinking:
         _needs_tokens(state, "thinking", "thinking mode", "think_begin", "think_end")
-    else:
-        _needs_tokens(state, "messages", "DeepSeek-V3.1's chat template", "think_end")
     if parsed.tools or any(m.role == "tool" or m.tool_calls for m in parsed.messages):
         _needs_tokens(state, "tools", "tool calls", "tool_calls_begin", "tool_calls_end",
                       "tool_call_begin", "tool_call_end", "tool_sep", "tool_output_begin",
