@@ -115,6 +115,16 @@ def test_json_schema_output_always_validates(client):
         jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
 
 
+def test_a_budget_below_the_smallest_instance_says_length(client):
+    reply = client.chat.completions.create(
+        model="deepseek-chat", messages=[{"role": "user", "content": "A person, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        temperature=1, seed=0, max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(reply.choices[0].message.content)
+
+
 def test_json_object_output_parses(client):
     for seed in range(3):
         reply = client.chat.completions.create(
