@@ -164,14 +164,18 @@ def test_logit_bias_makes_greedy_pick_the_token(client):
 
 
 def test_penalties_push_greedy_away_from_repeats(client):
-    """Greedy decoding of random weights repeats itself; presence and frequency penalties (subtracted from
-    the logits of tokens already generated) make it use more distinct tokens. Greedy: no randomness."""
-    kwargs = dict(model="deepseek-chat", messages=ASK, temperature=0, max_tokens=24, logprobs=True)
-    plain = [e.token for e in client.chat.completions.create(**kwargs).choices[0].logprobs.content]
-    penalized = [e.token for e in client.chat.completions.create(
-        presence_penalty=2, frequency_penalty=2, **kwargs).choices[0].logprobs.content]
-    assert len(set(plain)) < len(plain)  # the unpenalized answer repeats a token
-    assert len(set(penalized)) > len(set(plain))
+    """A +10 bias makes greedy repeat one token; presence and frequency penalties (subtracted from the
+    logit of a token once it has appeared, and per appearance) stop the repeats. Greedy: no randomness."""
+    token = shared_tokenizer().encode_text(" banana")[0]
+    kwargs = dict(model="deepseek-chat", messages=ASK, temperature=0, max_tokens=16, logprobs=True,
+                  logit_bias={str(token): 10})
+    def picks(**penalties):
+        reply = client.chat.completions.create(**kwargs, **penalties)
+        return sum(1 for e in reply.choices[0].logprobs.content if e.token == shared_tokenizer().decode([token]))
+    plain = picks()
+    assert plain == 16
+    assert picks(frequency_penalty=2) < plain
+    assert 1 <= picks(presence_penalty=2, frequency_penalty=2) <= picks(frequency_penalty=2)
 
 
 def test_fim_and_prefix_completion_render_deepseeks_tokens(client, stack, cache):
@@ -219,11 +223,12 @@ def test_multi_turn_tool_conversation_hits_everything_before_the_newest_tool_res
                                            tool_choice="required", temperature=1, seed=3, max_tokens=96)
     assert first.choices[0].finish_reason == "tool_calls"
     wait_for_saves(stack)
-    [call] = first.choices[0].message.tool_calls
-    history_call = {"id": call.id, "type": "function",
-                    "function": {"name": call.function.name, "arguments": call.function.arguments}}
-    messages += [{"role": "assistant", "content": None, "tool_calls": [history_call]},
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny", "high": 21}'}]
+    calls = first.choices[0].message.tool_calls  # parallel calls allowed: one or more
+    messages.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for c in calls]})
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"forecast": "sunny", "high": 21}'}
+                 for c in calls]
     second = client.chat.completions.create(model="deepseek-chat", messages=messages, tools=[WEATHER],
                                             temperature=0, max_tokens=4)
     # The engine saved the first prompt and every answer token fed back through the model (all but
