@@ -118,9 +118,14 @@ class ReplyParser:
             return ReplyDelta(reasoning=self._reasoning.finish())
         if self.state == CONTENT and not self.stopped:
             return self._finish_content()
-        if self.state == ARGUMENTS:  # cut off mid-call (length): the arguments so far
+        if self.state == ARGUMENTS:  # cut off mid-call (length): the call with the arguments so far, as streamed
+            index = len(self.calls)
             text = self._arguments.finish()
-            return ReplyDelta(tool_calls=(ToolCallDelta(len(self.calls), arguments=text),) if text else ())
+            self._argument_text.append(text)
+            self.calls.append(ParsedCall(
+                ToolCall(self._call_id(index), self._tokenizer.decode(self._name_ids), "".join(self._argument_text)),
+                self._name_ids, self._argument_ids))
+            return ReplyDelta(tool_calls=(ToolCallDelta(index, arguments=text),) if text else ())
         return ReplyDelta()
 
     @property
