@@ -32,9 +32,9 @@ def generation(events, hit_tokens=0):
     return Generation("http://engine", hit_tokens, events[0], rest(), "fp")
 
 
-async def items_of(tokenizer, events, stops=(), hit_tokens=0, thinking=False, tools=False):
+async def items_of(tokenizer, events, stops=(), hit_tokens=0, thinking=False, tools=False, parallel=True):
     eos = (tokenizer.special.eos,)
-    parser = ReplyParser(tokenizer, stops, thinking, tools, "test")
+    parser = ReplyParser(tokenizer, stops, thinking, tools, "test", parallel)
     items = [item async for item in answer_events(generation(events, hit_tokens), 100, parser, eos)]
     assert isinstance(items[-1], AnswerEnd)
     return items
@@ -149,6 +149,12 @@ async def test_tool_calls_are_parsed_from_their_tokens_and_streamed_as_deltas(to
     assert [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for c in assembled.values()] == tool_calls_body(p.call for p in end.tool_calls)
     assert [json.loads(c["arguments"]) for c in assembled.values()] == [{"city": "Paris"}, {"zone": "CET"}]
+
+
+async def test_without_parallel_tool_calls_the_reply_ends_after_the_first_call(tokenizer):
+    ids = _call_tokens(tokenizer, [("a", "{}"), ("b", "{}")])
+    items = await items_of(tokenizer, [TokenEvent(i) for i in ids], tools=True, parallel=False)
+    assert items[-1].finish_reason == "tool_calls" and [p.call.name for p in items[-1].tool_calls] == ["a"]
 
 
 async def test_tool_call_tokens_are_text_without_tools(tokenizer):

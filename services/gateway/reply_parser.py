@@ -47,7 +47,7 @@ class ParsedCall(NamedTuple):
 
 class ReplyParser:
     def __init__(self, tokenizer: DeepSeekTokenizer, stops: tuple[str, ...], thinking: bool,
-                 parse_tool_calls: bool, call_id_prefix: str):
+                 parse_tool_calls: bool, call_id_prefix: str, parallel_tool_calls: bool = True):
         self._template = tokenizer.template
         self._tokenizer = tokenizer
         self._stops = StopStringMatcher(stops)
@@ -56,6 +56,7 @@ class ReplyParser:
         self._arguments = IncrementalDetokenizer(tokenizer)
         self._tools = parse_tool_calls
         self._call_id_prefix = call_id_prefix
+        self._parallel = parallel_tool_calls  # False: the reply ends after its first call
         self.state = REASONING if thinking else CONTENT
         self.content_ids: list[int] = []      # the ids of the content text, for the next turn
         self.calls: list[ParsedCall] = []     # complete calls
@@ -104,7 +105,8 @@ class ReplyParser:
                 self.calls.append(ParsedCall(
                     ToolCall(self._call_id(index), self._tokenizer.decode(self._name_ids),
                              "".join(self._argument_text)), self._name_ids, self._argument_ids))
-                self.state = BETWEEN_CALLS
+                self.state = BETWEEN_CALLS if self._parallel else CALLS_DONE
+                self.stopped = not self._parallel
                 return ReplyDelta(tool_calls=(ToolCallDelta(index, arguments=text),) if text else ()), False
             self._argument_ids.append(token_id)
             text = self._arguments.push(token_id)
