@@ -32,9 +32,10 @@ def generation(events, hit_tokens=0):
     return Generation("http://engine", hit_tokens, events[0], rest(), "fp")
 
 
-async def items_of(tokenizer, events, stops=(), hit_tokens=0, thinking=False, tools=False, parallel=True):
+async def items_of(tokenizer, events, stops=(), hit_tokens=0, thinking=False, tools=False, parallel=True,
+                   grammar=False):
     eos = (tokenizer.special.eos,)
-    parser = ReplyParser(tokenizer, stops, thinking, tools, "test", parallel)
+    parser = ReplyParser(tokenizer, stops, thinking, tools, "test", parallel, engine_ends_calls=grammar)
     items = [item async for item in answer_events(generation(events, hit_tokens), 100, parser, eos)]
     assert isinstance(items[-1], AnswerEnd)
     return items
@@ -149,6 +150,14 @@ async def test_tool_calls_are_parsed_from_their_tokens_and_streamed_as_deltas(to
     assert [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for c in assembled.values()] == tool_calls_body(p.call for p in end.tool_calls)
     assert [json.loads(c["arguments"]) for c in assembled.values()] == [{"city": "Paris"}, {"zone": "CET"}]
+
+
+async def test_a_forced_call_reads_the_engines_done_event(tokenizer):
+    """Under a grammar the engine ends the reply itself: its done event (usage, grammar_complete) is read."""
+    ids = _call_tokens(tokenizer, [("a", "{}")])
+    done = DoneEvent("stop", 100, 64, {}, grammar_complete=True)
+    end = (await items_of(tokenizer, [TokenEvent(i) for i in ids] + [done], tools=True, grammar=True))[-1]
+    assert (end.finish_reason, end.cached_tokens, end.grammar_complete) == ("tool_calls", 64, True)
 
 
 async def test_without_parallel_tool_calls_the_reply_ends_after_the_first_call(tokenizer):

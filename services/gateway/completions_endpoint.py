@@ -182,7 +182,8 @@ async def _generate(request: web.Request, state: GatewayState, tenant, tokens: l
             header = ResponseHeader(response_id, int(time.time()), parsed.model,
                                     generation.fingerprint or None)
             parser = ReplyParser(state.tokenizer, parsed.stop, reply.thinking, reply.parse_tool_calls,
-                                 response_id[-12:], getattr(parsed, "parallel_tool_calls", True))
+                                 response_id[-12:], getattr(parsed, "parallel_tool_calls", True),
+                                 engine_ends_calls=reply.grammar is not None)
             answer_stream = answer_events(generation, len(tokens), parser, eos)
             async with aclosing(answer_stream) as answer:
                 if parsed.stream:

@@ -47,7 +47,8 @@ class ParsedCall(NamedTuple):
 
 class ReplyParser:
     def __init__(self, tokenizer: DeepSeekTokenizer, stops: tuple[str, ...], thinking: bool,
-                 parse_tool_calls: bool, call_id_prefix: str, parallel_tool_calls: bool = True):
+                 parse_tool_calls: bool, call_id_prefix: str, parallel_tool_calls: bool = True,
+                 engine_ends_calls: bool = False):
         self._template = tokenizer.template
         self._tokenizer = tokenizer
         self._stops = StopStringMatcher(stops)
@@ -57,6 +58,9 @@ class ReplyParser:
         self._tools = parse_tool_calls
         self._call_id_prefix = call_id_prefix
         self._parallel = parallel_tool_calls  # False: the reply ends after its first call
+        # A forced call's grammar ends the generation itself (and its done event reports the usage);
+        # an unconstrained reply is stopped here once its calls are over.
+        self._stop_after_calls = not engine_ends_calls
         self.state = REASONING if thinking else CONTENT
         self.content_ids: list[int] = []      # the ids of the content text, for the next turn
         self.calls: list[ParsedCall] = []     # complete calls
@@ -87,7 +91,7 @@ class ReplyParser:
             if token_id == template.tool_call_begin:
                 self.state, self._name_ids = NAME, []
             elif token_id == template.tool_calls_end:
-                self.state, self.stopped = CALLS_DONE, True
+                self.state, self.stopped = CALLS_DONE, self._stop_after_calls
             return ReplyDelta(), False  # anything else between calls is not part of a call
         if state == NAME:
             if token_id != template.tool_sep:
@@ -106,7 +110,7 @@ class ReplyParser:
                     ToolCall(self._call_id(index), self._tokenizer.decode(self._name_ids),
                              "".join(self._argument_text)), self._name_ids, self._argument_ids))
                 self.state = BETWEEN_CALLS if self._parallel else CALLS_DONE
-                self.stopped = not self._parallel
+                self.stopped = self._stop_after_calls and not self._parallel
                 return ReplyDelta(tool_calls=(ToolCallDelta(index, arguments=text),) if text else ()), False
             self._argument_ids.append(token_id)
             text = self._arguments.push(token_id)
