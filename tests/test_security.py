@@ -196,15 +196,20 @@ def test_one_tenant_never_observes_anothers_cache(stack):
 
 
 def test_tenant_cannot_claim_another_tenant_in_the_body(stack):
-    """Only the API key picks the tenant: body fields naming tenant A (or A's salt) are ignored."""
+    """Only the API key picks the tenant: body fields naming tenant A (or A's salt) are refused as
+    unknown fields (400 naming them), and `user` (OpenAI's end-user id) is only logged."""
     tokens = np.random.default_rng(7).integers(100, 100_000, 300).tolist()
     _ttft(stack, "key-a", tokens)
     wait_for_saves(stack)
     assert _ttft(stack, "key-a", tokens)[1] == 256
     before = loaded_tokens(stack)
     salt_a = tenant_salt(stack.secrets.salt_key, "tenant-a")
-    spoof = {"tenant": "tenant-a", "tenant_salt": salt_a, "user": "tenant-a"}
-    assert _ttft(stack, "key-b", tokens, spoof)[1] == 0
+    for field, value in (("tenant", "tenant-a"), ("tenant_salt", salt_a)):
+        body = {"model": "deepseek-chat", "prompt": tokens, "max_tokens": 1, field: value}
+        reply = http("POST", stack.gateway_url + "/v1/completions", json.dumps(body).encode(),
+                     {"Authorization": "Bearer key-b", "Content-Type": "application/json"})
+        assert reply.status == 400 and reply.json()["error"]["param"] == field, reply
+    assert _ttft(stack, "key-b", tokens, {"user": "tenant-a"})[1] == 0
     assert loaded_tokens(stack) == before
 
 
