@@ -215,3 +215,26 @@ async def test_logprobs_cover_each_content_token_once(tokenizer):
                                                                "function": {"name": "f", "arguments": "{}"}}]))
     validator("ChatCompletionChunk").validate(chat_chunk(header, {"tool_calls": tool_call_deltas(
         [ToolCallDelta(0, "c", "f", ""), ToolCallDelta(0, arguments="{}")])}, logprobs=body))
+
+
+async def test_random_token_soup_never_breaks_the_parser_and_deltas_add_up(tokenizer):
+    """Any id sequence (template tokens in any order, broken UTF-8, stop strings) parses without error,
+    and the streamed deltas add up to what the end reports."""
+    import random
+    rng = random.Random(0)
+    template = tokenizer.template
+    alphabet = [t for t in template if t is not None] + tokenizer.encode_text('a{"x": 1}🎉 END') + [
+        tokenizer.special.user, 0x8F]
+    for case in range(300):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(0, 40))]
+        events = [TokenEvent(i) for i in ids] + [DoneEvent(rng.choice(["stop", "length"]), 100, 0, {})]
+        items = await items_of(tokenizer, events or [DoneEvent("stop", 100, 0, {})], stops=("END",),
+                               thinking=case % 3 == 0, tools=case % 2 == 0, parallel=case % 5 != 0)
+        end = items[-1]
+        assert end.finish_reason in ("stop", "length", "tool_calls")
+        streamed: dict[int, str] = {}
+        for item in items[:-1]:
+            for delta in item.tool_calls:
+                streamed[delta.index] = streamed.get(delta.index, "") + delta.arguments
+        assert [streamed.get(i, "") for i in range(len(end.tool_calls))] == [p.call.arguments for p in end.tool_calls]
+        assert "END" not in "".join(i.text for i in items[:-1])
