@@ -2,30 +2,28 @@
 
 A real DeepSeek checkpoint ships tokenizer.json (the vocabulary: V2's 102K ids, V3's 129K) and
 tokenizer_config.json (special tokens and the chat template). The converter copies whichever are
-present into <model dir>/tokenizer/; a gateway given the model directory uses them, and falls back
-to the packaged DeepSeek-V3 tokenizer when there are none.
+present into the model directory, next to config.json; the gateway (given the model directory) and
+the engine's grammar masks (model/grammar.py) use them, and fall back to the packaged DeepSeek-V3
+tokenizer when there are none.
 """
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 
 
 def copy_tokenizer_files(hf_dir: Path, model_dir: Path) -> list[str]:
-    """Copy the checkpoint's tokenizer files (those it has) into model_dir/tokenizer/; their names."""
+    """Copy the checkpoint's tokenizer files (those it has) into model_dir; their names."""
     present = [name for name in TOKENIZER_FILES if (Path(hf_dir) / name).is_file()]
-    if present:
-        (Path(model_dir) / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
     for name in present:
-        shutil.copyfile(Path(hf_dir) / name, Path(model_dir) / TOKENIZER_DIR / name)
+        shutil.copyfile(Path(hf_dir) / name, Path(model_dir) / name)
     return present
 
 
 def model_tokenizer_json(model_dir: str | Path) -> Path | None:
     """The model's own tokenizer.json, or None (a preset, or a checkpoint that had none)."""
-    path = Path(model_dir) / TOKENIZER_DIR / "tokenizer.json"
+    path = Path(model_dir) / "tokenizer.json"
     return path if model_dir and path.is_file() else None

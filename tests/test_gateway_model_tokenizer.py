@@ -6,7 +6,8 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from model.convert import convert
-from model.tokenizer_files import TOKENIZER_DIR, model_tokenizer_json
+from model.grammar import default_tokenizer_json
+from model.tokenizer_files import TOKENIZER_FILES, model_tokenizer_json
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway_state import GatewayState
 from services.gateway.tokenizer import DEFAULT_TOKENIZER_JSON
@@ -34,10 +35,12 @@ def _checkpoint_with_tokenizer(hf_dir):
 def test_converted_model_brings_its_tokenizer_and_the_gateway_uses_it(tmp_path):
     vocab = _checkpoint_with_tokenizer(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "model", progress=False)
-    copied = tmp_path / "model" / TOKENIZER_DIR
-    assert sorted(p.name for p in copied.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    copied = tmp_path / "model"
+    assert sorted(p.name for p in copied.iterdir() if p.name in TOKENIZER_FILES) == [
+        "tokenizer.json", "tokenizer_config.json"]
     assert json.loads((copied / "tokenizer_config.json").read_text())["chat_template"] == "{{ bos_token }}"
-    assert model_tokenizer_json(tmp_path / "model") == copied / "tokenizer.json"
+    # The gateway's tokenizer and the engine's grammar masks read the same file.
+    assert model_tokenizer_json(copied) == default_tokenizer_json(copied) == copied / "tokenizer.json"
 
     state = GatewayState.build(GatewayConfig(model_dir=str(tmp_path / "model"), redis_url=""))
     assert state.tokenizer.vocab_size == vocab

@@ -42,7 +42,7 @@ class GatewayConfig:
     tokenizer_json: str = field(default=str(DEFAULT_TOKENIZER_JSON), metadata={
         "help": "tokenizer.json of the served model, when the model directory has none"})
     model_dir: str = field(default="", metadata={
-        "help": "the served model's directory: its tokenizer/ (copied by the converter) is used when present"})
+        "help": "the served model's directory: its tokenizer.json (copied by the converter) is used when present"})
     token_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "bytes of cached message token ids"})
     default_max_tokens: int = field(default=4096, metadata={
