@@ -125,6 +125,20 @@ def test_a_budget_below_the_smallest_instance_says_length(client):
         json.loads(reply.choices[0].message.content)
 
 
+def test_a_schema_the_grammar_engine_cannot_compile_is_a_400_naming_its_field(client):
+    import openai
+    unknown_format = {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="deepseek-chat", messages=ASK, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": unknown_format}})
+    assert caught.value.param == "response_format" and "no-such-format" in caught.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": unknown_format}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="deepseek-chat", messages=ASK, max_tokens=8, tools=[tool],
+                                       tool_choice="required")
+    assert caught.value.param == "tools"
+
+
 def test_json_object_output_parses(client):
     for seed in range(3):
         reply = client.chat.completions.create(
