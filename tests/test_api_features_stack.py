@@ -219,6 +219,19 @@ def test_thinking_mode_returns_reasoning_apart_from_content(client):
     assert streamed == message.reasoning_content
 
 
+def test_thinking_turns_hit_the_previous_prompt(client, stack):
+    """DeepSeek's template drops an earlier turn's reasoning (its <think> becomes </think>), so the next
+    turn hits the previous prompt up to that token, block-aligned, and nothing of the previous answer."""
+    messages = [{"role": "system", "content": "Think step by step. " * 20}, ASK[0]]
+    first = client.chat.completions.create(model="deepseek-reasoner", messages=messages, max_tokens=8, temperature=0)
+    wait_for_saves(stack)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And tomorrow?"}]
+    second = client.chat.completions.create(model="deepseek-reasoner", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > B
+    assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // B * B
+
+
 def _system_prompt_ending_near_a_block_boundary(cache, tools: str) -> str:
     """A system prompt whose first-turn prompt ends 4 tokens before a block boundary, so that the
     tool call (at least 6 tokens) crosses into the next block."""
