@@ -6,14 +6,15 @@ two engine replicas each serving (pinned with the admin header), an engine repli
 middle of a stream, `restart`, then `down` and `up` without -v (the prefix still hits), then
 `down -v`. Everything it starts is removed at the end, also on failure: the compose project (its
 containers, network and volumes), its secret files, and dockerd when this script started it.
-Kept on purpose, as the cache of the next run: the images (the base image and the build's layers).
+Kept on purpose, as the cache of the next run: the images (the base image and the build's layers)
+and the volume deepinfer-ci-jax-cache (compiled XLA programs).
 
 Setup, as a new user would do it: Debian's docker.io and docker-compose (and debootstrap) are
 installed when missing; dockerd is started when none answers; the base image is
 python:3.11-slim when it is present or can be pulled, else a local one (docker/local_base.sh).
 Compose is `docker compose` (v2) where it exists, else `docker-compose` (v1).
 
-    python tests/compose_stack.py        (as root: it installs packages and starts dockerd)
+    python tests/compose_stack.py        (as root where it must install packages or start dockerd)
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESET = "tiny"
 OFFICIAL_BASE = "python:3.11-slim"
 LOCAL_BASE = "deepinfer-base:bookworm"
-IMAGE = "deepinfer:local"
+JAX_CACHE_VOLUME = "deepinfer-ci-jax-cache"  # kept between runs, like the images
 PULL_TIMEOUT_S = 60
 READY_TIMEOUT_S = 900  # a cold start compiles the model's programs on 2 cores
 SYSTEM = ("You are DeepInfer's test assistant. Follow the house rules: be brief, cite sources, never "
@@ -65,6 +66,8 @@ def install_docker() -> None:
             and shutil.which("docker-compose") is None:
         missing.append("docker-compose")
     if missing:
+        if os.geteuid() != 0:
+            sys.exit(f"compose-test: {missing} must be installed: run as root (or install them)")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         run("apt-get", "update", "-q", env=env)
         run("apt-get", "install", "-y", "-q", "--no-install-recommends", *sorted(set(missing)), env=env)
@@ -77,6 +80,8 @@ def daemon_answers() -> bool:
 def start_dockerd(cleanup: ExitStack, workdir: Path) -> None:
     if daemon_answers():
         return
+    if os.geteuid() != 0:
+        sys.exit("compose-test: no Docker daemon answers and only root can start one here")
     log = open(workdir / "dockerd.log", "w")
     say(f"starting dockerd (log {log.name})")
     daemon = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -147,8 +152,12 @@ class Project:
         # The secrets come from this run's directory, not ./secrets of the checkout. ("version":
         # compose v1 reads a file without one as the old v1 format; v2 ignores it.)
         override = workdir / "compose.override.yaml"
+        # The JAX compilation cache outlives the project (`down -v` keeps an external volume), so
+        # that the next run on this machine starts its engines without compiling again.
+        run("docker", "volume", "create", JAX_CACHE_VOLUME, quiet=True)
         override.write_text(json.dumps({"version": "3.9", "secrets": {
-            path.name: {"file": str(path)} for path in secrets.iterdir()}}))
+            path.name: {"file": str(path)} for path in secrets.iterdir()},
+            "volumes": {"jax-cache": {"external": True, "name": JAX_CACHE_VOLUME}}}))
         self.argv = [*compose, "-p", self.name, "-f", str(ROOT / "compose.yaml"), "-f", str(override)]
         self.env = dict(os.environ, DEEPINFER_PRESET=PRESET, DEEPINFER_BASE_IMAGE=base,
                         DEEPINFER_GATEWAY_PORT=str(port), DEEPINFER_OPEN_ACCESS="true")
@@ -288,11 +297,17 @@ def check_replica_killed_mid_stream(project: Project, replicas: dict[str, str], 
     say(f"next unpinned request: {hits} hit tokens, same answer: {text == answer}, "
         f"{time.monotonic() - started:.2f} s")
     assert hits > 0 and text == answer
+    # restart: unless-stopped brings the killed replica back; the gateway routes to it once its
+    # probe passes (same address: Docker keeps a restarted container's IP)
+    back = wait_ready(project, 2, timeout_s=300)
+    state = run("docker", "inspect", "-f", "{{.State.Status}} restarts={{.RestartCount}}", victim, quiet=True)
+    say(f"the killed replica is {state.stdout.strip()}; both replicas routable again "
+        f"{time.monotonic() - killed_at:.0f} s after the kill ({back:.0f} s of waiting here)")
 
 
 def main() -> int:
-    if os.geteuid() != 0:
-        sys.exit("compose-test: run as root (it installs Debian's docker.io and starts dockerd when missing)")
+    # SIGTERM (CI's timeout, a killed job) unwinds like Ctrl-C, so that the cleanup below runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     timings = {}
     with ExitStack() as cleanup:
