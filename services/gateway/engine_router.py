@@ -98,11 +98,23 @@ class EngineRouter:
                 await stack.aclose()
                 raise
             async with stack:
-                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first, events)
+                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first,
+                                 self._watched(engine, events))
             return
         retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
         raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
                           "token. Try again shortly.", retry_after_s=min(retry_after, default=1))
+
+    async def _watched(self, engine, events: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
+        """`events`, and the engine taken out of routing when they break: a replica killed in the
+        middle of an answer gets no new request before its next probe passes (a dead container's
+        address does not refuse connections, it lets them time out)."""
+        try:
+            async for event in events:
+                yield event
+        except EngineUnavailable as failure:
+            self._pool.mark_failed(engine, f"failed mid-generation: {failure.reason}")
+            raise
 
     def _pinned(self, pin: str) -> list:
         """The one engine an admin pinned: by its address URL, its index in /admin/stats' list,
