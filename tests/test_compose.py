@@ -12,6 +12,7 @@ import importlib.util
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import threading
@@ -346,12 +347,15 @@ def test_valkey_service_is_durable_password_protected_and_healthchecked(tmp_path
         healthcheck = service["healthcheck"]["test"]
         assert healthcheck[:3] == ["CMD", "python", "-c"] and "6379" in healthcheck[3]
         check = healthcheck[3].replace("6379", str(port))
-        for _ in range(100):
-            if subprocess.run([sys.executable, "-c", check], capture_output=True).returncode == 0:
+        deadline = time.monotonic() + 10
+        while True:  # listening first; then the healthcheck must pass at once
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
                 break
-            time.sleep(0.1)
-        else:
-            raise AssertionError("the healthcheck never passed")
+            except OSError:
+                assert time.monotonic() < deadline, "compose's valkey command did not come up"
+                time.sleep(0.05)
+        assert subprocess.run([sys.executable, "-c", check], capture_output=True).returncode == 0
         user = redis_py.Redis(port=port, username="deepinfer", password="pw-from-file")
         user.set("k", "v")
         with pytest.raises(redis_py.exceptions.NoPermissionError):
@@ -375,7 +379,6 @@ def valkey_binary() -> str:
 
 
 def _free_port() -> int:
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
