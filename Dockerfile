@@ -24,12 +24,14 @@ ARG PIP_DISABLE_PIP_VERSION_CHECK=1
 ARG PIP_DEFAULT_TIMEOUT=120
 
 WORKDIR /app
-# Two layers: the runtime dependencies (read from pyproject.toml alone, so a source change does not
-# download them again), then the package itself from exactly the sources in the image.
-COPY pyproject.toml README.md ./
+# Two layers: the runtime dependencies (read from pyproject.toml alone, so a change of the sources
+# or the README does not download them again), then the package itself from exactly the sources in
+# the image.
+COPY pyproject.toml ./
 RUN python3 -m venv /opt/venv \
     && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+COPY README.md ./
 COPY model ./model
 COPY kvstore ./kvstore
 COPY services ./services
