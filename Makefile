@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: test up install bench clean
+.PHONY: test up install bench clean compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The compose stack built, started and driven for real (tests/compose_stack.py); needs root.
+compose-test: $(STAMP)
+	$(VENV)/bin/python tests/compose_stack.py
 
 up: $(STAMP)
 	$(VENV)/bin/deepinfer up $(UP_ARGS)

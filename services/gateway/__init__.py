@@ -7,8 +7,9 @@ Request path, one file per step:
                       tools, tool_choice, response_format -> the engine's grammar
   chat_template       messages (tools, tool results, thinking, prefix; FIM) -> token ids (tokenizer,
                       token_cache: per tenant)
-  engine_router       block hashes + prefix_lookup + least-loaded engine (engine_pool,
-                      engine_client), retried until the first token
+  engine_router       block hashes + prefix_lookup + least-loaded engine (engine_pool: one engine
+                      per address each --engine name resolves to, engine_discovery; engine_client),
+                      retried until the first token
   answer_stream       engine tokens -> deltas with logprobs; reply_parser splits reasoning, content
                       (detokenizer, stop_strings) and tool calls
   completions_endpoint  JSON or SSE in the OpenAI wire format (openai_responses)

@@ -22,7 +22,8 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "port to bind"})
     engines: list[str] = field(default_factory=list, metadata={
-        "flag": "engine", "help": "an engine's base URL, e.g. http://127.0.0.1:8200 (repeatable)"})
+        "flag": "engine", "help": "an engine's base URL, e.g. http://127.0.0.1:8200 (repeatable); a host "
+        "name is one engine per address it resolves to (compose replicas), resolved every --engine-poll-s"})
     api_keys: str = secret_field("API keys and their tenants: KEY:TENANT,KEY:TENANT")
     open_access: bool = field(default=False, metadata={
         "help": "local mode: requests without a known key are served as tenant 'public'"})
@@ -52,7 +53,8 @@ class GatewayConfig:
     lookup_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a prefix lookup may take before the request is served as a miss"})
     engine_poll_s: float = field(default=2.0, metadata={
-        "help": "seconds between reads of each engine's /readyz and /admin/stats"})
+        "help": "seconds between resolutions of the engine names and reads of each engine's /readyz "
+        "and /admin/stats"})
     engine_connect_timeout_s: float = field(default=2.0, metadata={
         "help": "seconds to connect to an engine"})
     first_token_timeout_s: float = field(default=120.0, metadata={

@@ -89,13 +89,14 @@ def kvstore_numbers(url: str, samples: Samples | None) -> dict:
 
 async def dashboard_snapshot(state: GatewayState) -> dict:
     config = state.config
-    engine_scrapes = [_scrape(state.session, url.rstrip("/"), config.service_token) for url in config.engines]
+    engine_urls = [engine.client.url for engine in state.pool.engines]  # each replica behind a name
+    engine_scrapes = [_scrape(state.session, url, config.service_token) for url in engine_urls]
     kvstore_url = config.kvstore_url.rstrip("/")
     scraped = await asyncio.gather(*engine_scrapes, _scrape(state.session, kvstore_url, config.service_token) if kvstore_url
                                    else asyncio.sleep(0), state.lookup.ready())
     engines, kvstore, redis_ready = scraped[:-2], scraped[-2], scraped[-1]
     return {"time": time.time(),
             "gateway": gateway_numbers(Samples(generate_latest(state.metrics.registry).decode())),
-            "engines": [engine_numbers(url, samples) for url, samples in zip(config.engines, engines)],
+            "engines": [engine_numbers(url, samples) for url, samples in zip(engine_urls, engines)],
             "kvstore": kvstore_numbers(kvstore_url, kvstore),
             "redis": {"configured": bool(config.redis_url), "ready": bool(redis_ready)}}

@@ -1,5 +1,7 @@
 """The engines behind the gateway: health, model facts, and in-flight counts for routing.
 
+The gateway is configured with engine URLs (names); each poll resolves them (engine_discovery)
+and keeps one engine per address, so a name with N replicas behind it is N engines here.
 An engine is routable when its last probe passed (/readyz 200 and /admin/stats parsed) and no
 request has failed on it since. Requests go to the routable engine with the fewest of the
 gateway's own requests in flight; a failed engine is probed again on the next poll.
@@ -10,18 +12,20 @@ import asyncio
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Awaitable, Callable, Iterator
 
 import aiohttp
 
 from services.gateway.engine_client import EngineClient, EngineStats
+from services.gateway.engine_discovery import replica_urls
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class EngineState:
-    client: EngineClient
+    name: str              # the configured URL this engine's address was resolved from
+    client: EngineClient   # its URL is the address's
     stats: EngineStats | None = None
     routable: bool = False
     in_flight: int = 0
@@ -31,13 +35,18 @@ class EngineState:
         stats = None
         if self.stats:
             stats = self.stats._asdict() | {"hot_blocks": len(self.stats.hot_blocks)}  # a count, not the hashes
-        return {"url": self.client.url, "routable": self.routable, "in_flight": self.in_flight, "stats": stats,
-                "last_error": self.last_error}
+        return {"url": self.client.url, "name": self.name, "routable": self.routable,
+                "in_flight": self.in_flight, "stats": stats, "last_error": self.last_error}
 
 
 class EnginePool:
-    def __init__(self, clients: list[EngineClient], poll_s: float):
-        self.engines = [EngineState(client) for client in clients]
+    def __init__(self, names: list[str], connect: Callable[[str], EngineClient], poll_s: float,
+                 resolve: Callable[[str], Awaitable[list[str]]] = replica_urls):
+        """names: configured engine URLs; connect(url) makes the client of one resolved address."""
+        self.names = [name.rstrip("/") for name in names]
+        self.engines: list[EngineState] = []  # in name order, then address order
+        self._connect = connect
+        self._resolve = resolve
         self._poll_s = poll_s
         self._poller: asyncio.Task | None = None
 
@@ -56,7 +65,36 @@ class EnginePool:
             await self.probe_all()
 
     async def probe_all(self) -> None:
+        await self.discover()
         await asyncio.gather(*(self._probe(engine) for engine in self.engines))
+
+    async def discover(self) -> None:
+        """Resolves every name again: new addresses join (not routable before their first probe),
+        addresses no longer in a name's answer leave, a name that fails to resolve keeps its last."""
+        answers = await asyncio.gather(*(self._resolve(name) for name in self.names), return_exceptions=True)
+        known = {(e.name, e.client.url): e for e in self.engines}
+        engines = []
+        for name, answer in zip(self.names, answers):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, (OSError, ValueError)):
+                    raise answer
+                kept = [e for e in self.engines if e.name == name]
+                log.warning("engine name %s did not resolve (%r); keeping its %d known address(es)",
+                            name, answer, len(kept))
+                for engine in kept:
+                    engine.last_error = f"name did not resolve: {answer!r}"
+                engines += kept
+                continue
+            for url in answer:
+                engine = known.get((name, url))
+                if engine is None:
+                    log.info("engine %s: replica %s joined", name, url)
+                    engine = EngineState(name, self._connect(url))
+                engines.append(engine)
+        gone = [e for e in self.engines if all(e is not kept for kept in engines)]
+        for engine in gone:
+            log.info("engine %s: replica %s left", engine.name, engine.client.url)
+        self.engines = engines
 
     async def _probe(self, engine: EngineState) -> None:
         try:

@@ -61,7 +61,7 @@ class EngineRouter:
     @asynccontextmanager
     async def generation(self, job: GenerationJob) -> AsyncIterator[Generation]:
         """The running generation; leaving the block cancels it on the engine."""
-        if not self._pool.engines:
+        if not self._pool.names:
             raise unavailable("No engine is configured for this gateway.", retry_after_s=None)
         ranked = self._pool.ranked()
         if not ranked:
@@ -71,9 +71,7 @@ class EngineRouter:
                               f"{len(self._pool.engines)} ready). Try again shortly.")
         prefixes: dict[tuple[str, int], tuple[list[bytes], Hit]] = {}
         if job.engine is not None:
-            ranked = [e for i, e in enumerate(self._pool.engines) if job.engine in (e.client.url, str(i))]
-            if not ranked or not ranked[0].routable or ranked[0].stats is None:
-                raise unavailable(f"The pinned engine {job.engine!r} is not ready.")
+            ranked = self._pinned(job.engine)
         else:
             ranked = await self._prefer_hot(job, ranked, prefixes)
         failures: list[EngineUnavailable] = []
@@ -103,12 +101,37 @@ class EngineRouter:
                 await stack.aclose()
                 raise
             async with stack:
-                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first, events,
-                                 stats.fingerprint)
+                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first,
+                                 self._watched(engine, events), stats.fingerprint)
             return
         retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
         raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
                           "token. Try again shortly.", retry_after_s=min(retry_after, default=1))
+
+    async def _watched(self, engine, events: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
+        """`events`, and the engine taken out of routing when they break: a replica killed in the
+        middle of an answer gets no new request before its next probe passes (a dead container's
+        address does not refuse connections, it lets them time out)."""
+        try:
+            async for event in events:
+                yield event
+        except EngineUnavailable as failure:
+            self._pool.mark_failed(engine, f"failed mid-generation: {failure.reason}")
+            raise
+
+    def _pinned(self, pin: str) -> list:
+        """The one engine an admin pinned: by its address URL, its index in /admin/stats' list,
+        or a configured name that resolves to a single address."""
+        engines = self._pool.engines
+        chosen = [e for i, e in enumerate(engines) if pin in (e.client.url, str(i))]
+        chosen = chosen or [e for e in engines if e.name == pin.rstrip("/")]
+        if len(chosen) > 1:
+            raise OpenAIError(f"The pinned engine {pin!r} names {len(chosen)} replicas; pin one of "
+                              f"{[e.client.url for e in chosen]}.", code="ambiguous_engine",
+                              param="X-DeepInfer-Engine")
+        if not chosen or not chosen[0].routable or chosen[0].stats is None:
+            raise unavailable(f"The pinned engine {pin!r} is not ready.")
+        return chosen
 
     async def _prefer_hot(self, job: GenerationJob, ranked: list, prefixes: dict) -> list:
         """Cache-aware order: the engine holding the longest leading run of the prompt's blocks in its

@@ -55,11 +55,12 @@ class GatewayState:
         config = self.config
         # limit=0: the gateway's concurrency to engines is bounded by the engines' queues.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        clients = [EngineClient(url, self.session, config.admin_token,
-                                config.engine_connect_timeout_s, config.first_token_timeout_s,
-                                service_token=config.service_token)
-                   for url in config.engines]
-        self.pool = EnginePool(clients, config.engine_poll_s)
+        session = self.session
+
+        def connect(url: str) -> EngineClient:
+            return EngineClient(url, session, config.admin_token, config.engine_connect_timeout_s,
+                                config.first_token_timeout_s, service_token=config.service_token)
+        self.pool = EnginePool(list(config.engines), connect, config.engine_poll_s)
         index = None
         if config.redis_url:
             self.redis = open_redis(config.redis_url, cluster=config.redis_cluster,
@@ -68,8 +69,9 @@ class GatewayState:
         self.lookup = PrefixLookup(index, config.lookup_timeout_s, self.metrics)
         self.router = EngineRouter(self.pool, self.lookup, self.metrics, config.default_max_tokens)
         await self.pool.start()
-        log.info("gateway ready on %s:%d; engines %s; prefix index %s", config.host, config.port,
-                 list(config.engines) or "none", config.redis_url or "disabled")
+        log.info("gateway ready on %s:%d; engines %s (%d address(es)); prefix index %s", config.host,
+                 config.port, list(config.engines) or "none", len(self.pool.engines),
+                 config.redis_url or "disabled")
 
     async def stop(self, _app: web.Application | None = None) -> None:
         if self.pool is not None:
