@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the peer's greedy tokens {theirs} differ from ours {mine}: not the same weights")
         say(f"same weights: both sample {mine} greedily after [1, 2, 3, 4, 5]")
         return serve_bench.main(["--model-dir", str(ours), "--preset", args.preset, "--peer-url", url,
-                                 "--peer-model", args.preset, *serve_args])
+                                 "--peer-model", args.preset, *serve_args],
+                                command="python -m bench.llama_peer " + " ".join(argv if argv is not None
+                                                                                 else sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -230,7 +230,8 @@ def measure(args) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, command: str = "") -> int:
+    """`command`: how a wrapper (bench.llama_peer) was called, for the report, instead of this module's argv."""
     p = argparse.ArgumentParser(prog="serve_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini")
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if 512 % args.hash_tokens:
         raise SystemExit("--hash-tokens must divide 512")
     result = measure(args)
-    result["command"] = f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    result["command"] = command or f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
     report.write_json(args.name, result)
     if not args.no_report:
         from bench import serve_report
