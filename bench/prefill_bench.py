@@ -135,7 +135,8 @@ budget allows at that length; "blockwise" is online softmax over {results['key_b
 --chunk-tokens {results['chunk_tokens']}-token chunks. Median of {results['repeats']} runs each after a warm-up, run
 in alternating pairs; the ratio is the median of the pairs' ratios. Peak RSS of the process
 {results['peak_rss_bytes'] / 2**30:.2f} GiB. 1-minute load average {results['load_average'][0]:.1f} at the start,
-{results['load_average'][1]:.1f} at the end (this machine is shared).
+{results['load_average'][1]:.1f} at the end (this machine is shared, and the run is niced): compare the two forms
+within a row, where each pair ran back to back; tokens/s across rows also follow the load of their moment.
 
 {table}
 
@@ -157,7 +158,8 @@ def plot(results: dict) -> None:
         ax.bar_label(bars, labels=[f"chunk {r[name]['chunk']}" for r in rows], fontsize=8)
     ax.set_xticks(x, [f"{r['tokens']:,} tokens" for r in rows])
     ax.set_ylabel("prefill tokens/s (median)")
-    ax.set_title(f"{results['layers']}-layer V2-Lite-shaped model, {results['dtype']}, {results['backend']}")
+    ax.set_title(f"{results['layers']}-layer V2-Lite-shaped model, {results['dtype']}, {results['backend']}\n"
+                 "(pairs run back to back per length; compare within a length)", fontsize=10)
     ax.legend()
     RESULTS.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
