@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.mla import prefer_absorbed
-from model.sampling import Sampler, SamplingParams
+from model.mla import KEY_BLOCK, key_block_for, prefer_absorbed
+from model.sampling import SamplingParams, SamplingRow, request_seed, sample_batch
 from model.transformer import DeepseekModel
 
 MIN_VIEW = 256  # tokens: the smallest cache view / buffer
@@ -43,6 +43,22 @@ def bucket(n: int) -> int:
     return -(-max(n, 1) // step) * step
 
 
+def prefill_chunk(cfg: ModelConfig, total: int, chunk_tokens: int, budget_bytes: int, key_block: int) -> int:
+    """Largest power-of-two chunk (<= chunk_tokens) of a prompt ending at `total` whose float32
+    attention work space fits budget_bytes.
+
+    One-pass attention (key_block 0) holds (N, T, view) scores, so a long prompt shrinks the chunk (16
+    tokens for V3's 128 heads at 16K); blockwise attention holds one key block's scores plus its
+    running (N, T, C or V) output, so the chunk no longer shrinks with the prompt."""
+    view = bucket(total)
+    block = key_block_for(view, key_block)
+    per_token = cfg.num_heads * block * 4 * 3  # scores, exp, probs
+    if block < view:  # the running output and its update
+        per_token += cfg.num_heads * max(cfg.kv_lora_rank, cfg.v_head_dim) * 4 * 2
+    fit = max(MIN_CHUNK, budget_bytes // per_token)
+    return min(_pow2(chunk_tokens), 1 << (fit.bit_length() - 1))
+
+
 @jax.jit
 def _embed(embed_VD: jax.Array, tokens_T: jax.Array) -> jax.Array:
     return jnp.take(embed_VD, tokens_T, axis=0)
@@ -60,10 +76,11 @@ def _expand(graphdef, state, cache_SA, view):
     return attn.expand(cache_SA, view, attn.w_uk.dtype)
 
 
-@partial(jax.jit, static_argnums=(0, 7))
-def _finish(graphdef, state, x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, expanded):
+@partial(jax.jit, static_argnums=(0, 7), static_argnames=("key_block",))
+def _finish(graphdef, state, x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, expanded, key_block=KEY_BLOCK):
     positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
-    return nnx.merge(graphdef, state).finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
+    return nnx.merge(graphdef, state).finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded,
+                                             key_block)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 7, 8), donate_argnums=(5,))
@@ -135,6 +152,8 @@ class Prefill(NamedTuple):
     cache: LatentCache
 
 
+
+
 LayerLoader = Callable[[int], "np.ndarray | jax.Array"]  # layer -> prefix latents (P, A); may block on disk
 
 
@@ -142,13 +161,16 @@ class ModelRunner:
     """Owns a model's weights split per layer; all compute goes through a few jitted functions."""
 
     def __init__(self, model: DeepseekModel, cfg: ModelConfig, chunk_tokens: int = 512,
-                 attention: str = "auto", attention_budget_bytes: int = 512 << 20):
+                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, key_block: int = KEY_BLOCK):
         if attention not in ("auto", "absorbed", "expanded"):
             raise ValueError(f"attention must be auto, absorbed or expanded, got {attention!r}")
+        if key_block < 0:
+            raise ValueError(f"key_block must be >= 0 (0 = one-pass attention), got {key_block}")
         self.cfg = cfg
         self.chunk_tokens = _pow2(chunk_tokens)
         self.attention = attention
         self.attention_budget_bytes = attention_budget_bytes
+        self.key_block = key_block  # key rows per step of prefill attention; 0 = all scores at once
         self.embed_VD = model.embed[...]
         self.layers = [nnx.split(layer) for layer in model.layers]
         self.head = nnx.split(model.head)
@@ -166,11 +188,7 @@ class ModelRunner:
                              f"context length {self.cfg.max_context}")
 
     def chunk_size(self, total: int) -> int:
-        """Largest power-of-two chunk whose fp32 attention scores (T, N, view) fit the budget."""
-        view = bucket(total)
-        per_token = self.cfg.num_heads * view * 4 * 3  # scores, exp, probs
-        fit = max(MIN_CHUNK, self.attention_budget_bytes // per_token)
-        return min(self.chunk_tokens, 1 << (fit.bit_length() - 1))
+        return prefill_chunk(self.cfg, total, self.chunk_tokens, self.attention_budget_bytes, self.key_block)
 
     def embed(self, tokens_T: np.ndarray) -> jax.Array:
         return _embed(self.embed_VD, jnp.asarray(tokens_T, jnp.int32))
@@ -195,7 +213,7 @@ class ModelRunner:
                     else self.attention == "absorbed")
         expanded = None if absorbed else _expand(graphdef, state, buf, full_view)
         out = [_finish(graphdef, state, x_TD, *queries[i], buf, np.int32(start + i * T),
-                       self._view(cache, start + (i + 1) * T), expanded)
+                       self._view(cache, start + (i + 1) * T), expanded, key_block=self.key_block)
                for i, x_TD in enumerate(chunks)]
         cache.layers[layer] = buf
         return out
@@ -214,6 +232,13 @@ class ModelRunner:
     def prefill(self, tokens: np.ndarray | list[int], cache: LatentCache | None = None, start: int = 0,
                 load_prefix: LayerLoader | None = None, chunk_tokens: int | None = None,
                 reserve: int = 0, prefix_ready: Callable[[int], bool] | None = None) -> Prefill:
+        """`prefill_on_device` with the logits copied to the host."""
+        logits, cache = self.prefill_on_device(tokens, cache, start, load_prefix, chunk_tokens, reserve, prefix_ready)
+        return Prefill(np.asarray(logits), cache)
+
+    def prefill_on_device(self, tokens: np.ndarray | list[int], cache: LatentCache | None = None, start: int = 0,
+                          load_prefix: LayerLoader | None = None, chunk_tokens: int | None = None, reserve: int = 0,
+                          prefix_ready: Callable[[int], bool] | None = None) -> tuple[jax.Array, LatentCache]:
         """Computes tokens at positions [start, start+n) over a cache whose rows [0, start) are the prefix.
 
         load_prefix(l), when given, supplies layer l's prefix latents (start, A) just before layer l of
@@ -241,10 +266,14 @@ class ModelRunner:
                 cache.place_prefix(layer, load_prefix(layer))
             chunks = self.layer(layer, chunks, cache, start)
         cache.length = start + n
-        return Prefill(np.asarray(self.logits(chunks[-1], (n - 1) - (count - 1) * T)), cache)
+        return self.logits(chunks[-1], (n - 1) - (count - 1) * T), cache  # (V,) on the device
 
     def decode_step(self, token: int, cache: LatentCache) -> np.ndarray:
-        """Logits after feeding one token at position cache.length (whole model, one dispatch)."""
+        """`decode_on_device` with the logits copied to the host."""
+        return np.asarray(self.decode_on_device(token, cache))
+
+    def decode_on_device(self, token: int, cache: LatentCache) -> jax.Array:
+        """Logits (V,) after feeding one token at position cache.length (whole model, one dispatch)."""
         self.check_tokens(np.asarray([token]), cache.length)
         cache.reserve(cache.length + 2)
         view = self._view(cache, cache.length + 1)
@@ -255,18 +284,21 @@ class ModelRunner:
                                   np.int32(cache.length))
         cache.layers = list(buffers)
         cache.length += 1
-        return np.asarray(logits)
+        return logits
 
     def generate(self, prompt: np.ndarray | list[int], params: SamplingParams, cache: LatentCache | None = None,
                  start: int = 0, load_prefix: LayerLoader | None = None) -> Iterator[int]:
-        """Yields generated token ids; stops after a stop token (which is yielded) or max_tokens."""
+        """Yields generated token ids; stops after a stop token (which is yielded) or max_tokens.
+
+        Logits stay on the device: the engine's `sample_batch` samples there (same seeded stream as
+        the engine's), and only the token id comes to the host each step."""
         prompt = np.asarray(prompt, np.int64)
         self.check_tokens(prompt, start, params.max_tokens)
-        result = self.prefill(prompt, cache, start, load_prefix, reserve=params.max_tokens)
-        sampler, cache = Sampler(params), result.cache
-        token = sampler(result.logits)
+        logits_V, cache = self.prefill_on_device(prompt, cache, start, load_prefix, reserve=params.max_tokens)
+        seed = request_seed(params)
         for produced in range(1, params.max_tokens + 1):
+            token = int(sample_batch(logits_V[None], [SamplingRow(params, seed, produced - 1)])[0])
             yield token
             if token in params.stop_token_ids or produced == params.max_tokens:
                 return
-            token = sampler(self.decode_step(token, cache))
+            logits_V = self.decode_on_device(token, cache)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from model.config import ModelConfig
 from model.layers import DenseMLP, Linear, MoE, RMSNorm, normal_param
-from model.mla import MLAttention
+from model.mla import KEY_BLOCK, MLAttention
 
 
 class DecoderLayer(nnx.Module):
@@ -26,9 +26,9 @@ class DecoderLayer(nnx.Module):
     def project(self, x_TD, positions_T, cache_SA, start):
         return self.attn.project(self.input_norm(x_TD), positions_T, cache_SA, start)
 
-    def finish(self, x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded):
+    def finish(self, x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, key_block=KEY_BLOCK):
         """Attention output + residual, then the feed-forward + residual: (T, D)."""
-        x_TD = x_TD + self.attn.attend(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
+        x_TD = x_TD + self.attn.attend(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, key_block)
         return x_TD + self.mlp(self.post_attn_norm(x_TD))
 
 

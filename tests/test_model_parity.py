@@ -67,6 +67,11 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, case):
         assert np.abs(step - ref_logits[pos]).max() <= 1e-4 * scale, f"position {pos}"
     # ... and the whole prompt in chunks (prefill path).
     assert np.abs(runner.prefill(tokens).logits - ref_logits[-1]).max() <= 1e-4 * scale
+    # Blockwise attention (16-row key blocks, so 2-3 blocks a chunk) over a prefix computed before.
+    blockwise = ModelRunner(loaded.model, loaded.config, chunk_tokens=16, key_block=16)
+    prefix = blockwise.prefill(tokens[:20])
+    suffix = blockwise.prefill(tokens[20:], prefix.cache, start=20)
+    assert np.abs(suffix.logits - ref_logits[-1]).max() <= 1e-4 * scale
 
     with torch.no_grad():
         ref_out = ref.generate(torch.tensor(tokens)[None], max_new_tokens=32, do_sample=False,
