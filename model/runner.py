@@ -297,7 +297,7 @@ class ModelRunner:
         logits_V, cache = self.prefill_on_device(prompt, cache, start, load_prefix, reserve=params.max_tokens)
         seed = request_seed(params)
         for produced in range(1, params.max_tokens + 1):
-            token = int(sample_batch(logits_V[None], [SamplingRow(params, seed, produced - 1)])[0])
+            token = int(sample_batch(logits_V[None], [SamplingRow(params, seed, produced - 1)]).tokens[0])
             yield token
             if token in params.stop_token_ids or produced == params.max_tokens:
                 return
