@@ -80,6 +80,8 @@ def _grammar_refused_when_thinking(reasoner: str | None) -> dict:
     grammar = {"anyOf": [_JSON_FORMAT, {"required": ["tool_choice"], "properties": {"tool_choice": {
         "anyOf": [{"const": "required"}, {"type": "object"}]}}}]}
     return {"if": {"anyOf": thinking}, "then": {"not": grammar}}
+
+
 _TOOL_CHOICE_NEEDS_TOOLS = {
     "if": {"required": ["tool_choice"],
            "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}},
@@ -99,59 +101,6 @@ _JSON_OUTPUT_WITHOUT_TOOL_CALLS = {
         {"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]},
                         "tool_choice": {"type": "null"}}},
     ]},
-}
-def _below(n: int) -> str:
-    """A regex of the decimal numbers 0 .. n-1 without leading zeros (token ids of a vocabulary)."""
-    digits = str(n - 1)
-    options = ["0"] + [f"[1-9][0-9]{{{k - 1}}}" for k in range(1, len(digits))]  # shorter numbers
-    for i, digit in enumerate(digits):  # same length: equal up to i, then a smaller digit
-        low = "1" if i == 0 else "0"
-        if int(digit) > int(low):
-            options.append(f"{digits[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(digits) - i - 1}}}")
-    options.append(digits)
-    return "^(" + "|".join(options) + ")$"
-
-
-def _grammar_refused_when_thinking(reasoner: str | None) -> dict:
-    """Thinking mode (thinking enabled, or the reasoner name without thinking disabled) takes no
-    JSON output and no forced tool call."""
-    thinking = [{"required": ["thinking"], "properties": {"thinking": {
-        "type": "object", "properties": {"type": {"const": "enabled"}}}}}]
-    if reasoner:
-        thinking.append({"required": ["model"], "properties": {
-            "model": {"const": reasoner},
-            "thinking": {"not": {"type": "object", "properties": {"type": {"const": "disabled"}}}}}})
-    grammar = {"anyOf": [_JSON_FORMAT, {"required": ["tool_choice"], "properties": {"tool_choice": {
-        "anyOf": [{"const": "required"}, {"type": "object"}]}}}]}
-    return {"if": {"anyOf": thinking}, "then": {"not": grammar}}
-_TOOL_CHOICE_NEEDS_TOOLS = {
-    "if": {"required": ["tool_choice"],
-           "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}},
-    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-}
-_TOP_LOGPROBS_NEED_LOGPROBS = {
-    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-}
-_JSON_FORMAT = {"required": ["response_format"], "properties": {"response_format": {
-    "type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
-# JSON output needs tool calls off: tool_choice "none", or no tools and no tool_choice.
-_JSON_OUTPUT_WITHOUT_TOOL_CALLS = {
-    "if": _JSON_FORMAT,
-    "then": {"anyOf": [
-        {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "none"}}},
-        {"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]},
-                        "tool_choice": {"type": "null"}}},
-    ]},
-}
-_THINKING_WITHOUT_GRAMMAR = {
-    "if": {"required": ["thinking"], "properties": {"thinking": {
-        "type": "object", "properties": {"type": {"const": "enabled"}}}}},
-    "then": {"not": {"anyOf": [
-        _JSON_FORMAT,
-        {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [
-            {"const": "required"}, {"type": "object"}]}}},
-    ]}},
 }
 
 # stream_options (when not null) requires stream: true.
