@@ -56,10 +56,15 @@ def plots(result: dict, name: str) -> list[str]:
     if sweep:
         cs = sorted(int(c) for c in sweep)
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-        a.plot(cs, [sweep[str(c)]["output_token_throughput"] for c in cs], "o-", label="cache on")
+        a.plot(cs, [sweep[str(c)]["output_token_throughput"] for c in cs], "o-", label="DeepInfer, cache on")
         if "cache_off" in result:
             for c, s in result["cache_off"].items():
                 a.plot([int(c)], [s["output_token_throughput"]], "x", markersize=10, label=f"cache off ({c} users)")
+        peer = result.get("peer", {}).get("sweep", {})
+        if peer:
+            pcs = sorted(int(c) for c in peer)
+            a.plot(pcs, [peer[str(c)]["output_token_throughput"] for c in pcs], "s--",
+                   label=result["peer"]["name"])
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrent users (closed loop)")
         a.set_ylabel("output tokens/s")
@@ -68,6 +73,9 @@ def plots(result: dict, name: str) -> list[str]:
         for key, style in (("p50", "o-"), ("p99", "s--")):
             b.plot(cs, [sweep[str(c)]["ttft_s"][key] for c in cs], style, label=f"TTFT {key}")
             b.plot(cs, [sweep[str(c)]["tpot_s"][key] for c in cs], style, label=f"TPOT {key}")
+        if peer:
+            b.plot(pcs, [peer[str(c)]["tpot_s"]["p50"] for c in pcs], "^:",
+                   label=f"{result['peer']['name']} TPOT p50")
         b.set_xscale("log", base=2)
         b.set_yscale("log")
         b.set_xlabel("concurrent users (closed loop)")
