@@ -3,6 +3,8 @@ service token, like every internal endpoint). It states what parse_job accepts, 
 schema-driven fuzzer's notion of a valid job is the engine's."""
 from __future__ import annotations
 
+from services.common.openapi import token_id_pattern
+
 INT31 = 1 << 31
 INT63 = 1 << 63
 RETENTION_CLASSES = ("chat", "agent")
@@ -51,7 +53,7 @@ def _job(vocab_size: int, max_context: int) -> dict:
             "seed": {"type": "integer", "minimum": -INT63, "maximum": INT63 - 1},
             "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
             "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-            "logit_bias": {"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]{1,6}$"},
+            "logit_bias": {"type": "object", "maxProperties": 300, "propertyNames": {"pattern": token_id_pattern(vocab_size)},
                            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                            "description": "token id (decimal, below the vocabulary size) -> added to its logit"},
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20,

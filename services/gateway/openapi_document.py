@@ -5,6 +5,7 @@ a schema-driven fuzzer's notion of a valid request is the gateway's.
 """
 from __future__ import annotations
 
+from services.common.openapi import token_id_pattern
 from services.gateway.openai_requests import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
                                               RETENTION_CLASSES, SEED_RANGE)
 from services.gateway.structured_output import MAX_TOOLS
@@ -56,18 +57,6 @@ _SAMPLING_PROPERTIES = {
 _NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
 
 
-def _below(n: int) -> str:
-    """A regex of the decimal numbers 0 .. n-1 without leading zeros (token ids of a vocabulary)."""
-    digits = str(n - 1)
-    options = ["0"] + [f"[1-9][0-9]{{{k - 1}}}" for k in range(1, len(digits))]  # shorter numbers
-    for i, digit in enumerate(digits):  # same length: equal up to i, then a smaller digit
-        low = "1" if i == 0 else "0"
-        if int(digit) > int(low):
-            options.append(f"{digits[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(digits) - i - 1}}}")
-    options.append(digits)
-    return "^(" + "|".join(options) + ")$"
-
-
 def _grammar_refused_when_thinking(reasoner: str | None) -> dict:
     """Thinking mode (thinking enabled, or the reasoner name without thinking disabled) takes no
     JSON output and no forced tool call."""
@@ -117,7 +106,7 @@ def _request_schemas(vocab_size: int, served_models: list[str]) -> dict:
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": _ref("TextPart")}]}
     sampling = dict(_SAMPLING_PROPERTIES)
     sampling["logit_bias"] = _nullable({**_SAMPLING_PROPERTIES["logit_bias"]["anyOf"][0],
-                                        "propertyNames": {"pattern": _below(vocab_size)}})
+                                        "propertyNames": {"pattern": token_id_pattern(vocab_size)}})
     token_ids = {"type": "array", "minItems": 1,
                  "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
     return {
