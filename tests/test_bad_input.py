@@ -19,6 +19,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from services.gateway.openapi_document import openapi_document
+from tests.grammar_check import schema_compiles
 from tests.stack_probes import (ADMIN_TOKEN, admin_stats, http, metric, start_tiny_stack, stored,
                                 wait_for_saves, wait_until_idle)
 
@@ -66,8 +67,16 @@ def _operations() -> list[tuple[str, str, GenerationMode]]:
 
 def _beyond_the_document(body) -> bool:
     """Rules JSON Schema cannot state, which the document says in words: a named tool_choice names one
-    of the tools, tool names differ, and tool parameters are a JSON Schema. A body breaking one is a 400."""
-    if not isinstance(body, dict) or not isinstance(body.get("tools"), list):
+    of the tools, tool names differ, tool parameters are a JSON Schema, and every schema constrained
+    decoding gets compiles. A body breaking one is a 400."""
+    if not isinstance(body, dict):
+        return False
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if schema is not None and not schema_compiles(schema):
+            return True
+    if not isinstance(body.get("tools"), list):
         return False
     names = [tool["function"]["name"] for tool in body["tools"]]
     choice = body.get("tool_choice")
@@ -79,6 +88,8 @@ def _beyond_the_document(body) -> bool:
         try:
             jsonschema.Draft202012Validator.check_schema(tool["function"].get("parameters") or {})
         except jsonschema.SchemaError:
+            return True
+        if not schema_compiles(tool["function"].get("parameters") or {"type": "object", "properties": {}}):
             return True
     return False
 
