@@ -198,8 +198,11 @@ async def test_a_grammar_job_over_http_streams_logprobs_and_a_complete_json_answ
 async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
     url, _, _ = engine
     long_job = {"tokens": [5, 6, 7], "max_tokens": 2000}
+    # The slot holder could only finish on its own after 16,000 tokens (the pool's size): it is still
+    # running when the third job arrives, however fast or slow this machine is; it is cancelled below.
+    holder_job = {"tokens": [5, 6, 7], "max_tokens": 16_000}
     async with aiohttp.ClientSession(headers=SERVICE) as session:
-        first = await session.post(url + "/internal/generate", json=long_job)   # holds the only slot
+        first = await session.post(url + "/internal/generate", json=holder_job)   # holds the only slot
         await first.content.readline()
         second = asyncio.create_task(session.post(url + "/internal/generate", json=long_job))  # queued
         for _ in range(600):  # until the engine counts it as waiting (not a fixed sleep: CI machines are busy)
@@ -207,6 +210,8 @@ async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
                 if (await r.json())["waiting"] == 1:
                     break
             await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the second job never showed as waiting")
         async with session.post(url + "/internal/generate", json=long_job) as third:
             assert third.status == 503 and third.headers["Retry-After"] == "1"
         first.close()  # the client goes away: its generation stops and the queued one starts
