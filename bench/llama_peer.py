@@ -61,9 +61,8 @@ def same_weights(url: str, ours: Path, prompt: list[int], n: int = 6) -> tuple[l
     when both really hold the same weights, which is what makes the comparison fair."""
     import json
 
-    import numpy as np
-
     from model.runner import ModelRunner
+    from model.sampling import SamplingParams
     from model.weights import load_model
 
     body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "return_tokens": True}).encode()
@@ -71,11 +70,7 @@ def same_weights(url: str, ours: Path, prompt: list[int], n: int = 6) -> tuple[l
     with urllib.request.urlopen(request, timeout=600) as response:
         theirs = json.load(response)["tokens"]
     loaded = load_model(ours)
-    runner = ModelRunner(loaded.model, loaded.config)
-    result = runner.prefill(np.asarray(prompt), reserve=n)
-    mine = [int(np.argmax(result.logits))]
-    while len(mine) < n:
-        mine.append(int(np.argmax(runner.decode_step(mine[-1], result.cache))))
+    mine = list(ModelRunner(loaded.model, loaded.config).generate(prompt, SamplingParams(max_tokens=n)))
     return theirs, mine
 
 

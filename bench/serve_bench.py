@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -90,30 +91,38 @@ def ensure_model(args) -> Path:
     return ensure_preset(args.preset, args.models_dir)
 
 
+async def warm_up(client: Client, sessions) -> None:
+    """Compiles the shapes of this workload once, outside every measurement."""
+    await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
+
+
+async def closed_level(client: Client, args, sessions, c: int, label: str = "") -> dict:
+    """One closed loop of `c` users over the level's own sessions: its summary."""
+    picked = level_sessions(args, sessions, c)
+    say(f"{label}closed loop, {c} users, {len(picked)} sessions ({sum(map(len, picked))} requests)")
+    results, duration = await closed_loop(client, picked, c)
+    summary = summarize(results, duration)
+    _said(summary)
+    return summary
+
+
 async def sweep(args, url: str, sessions, result: dict) -> None:
     """Closed loops at each concurrency, then the Poisson run. With --peer-url the peer runs each level
     right after ours (same sessions, same order), so the load of this shared machine hits both alike."""
     out = result["sweep"] = {}
-    peer_out = None
-    if args.peer_url:
-        peer_out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
-    async with Client(url) as client, Client(args.peer_url or url, model=args.peer_model,
-                                                                fresh_connections=True) as peer:
-        # Warm-up: compiles the shapes of this workload once, outside every measurement.
-        await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
-        if peer_out is not None:
-            await closed_loop(peer, [s[:1] for s in sessions[-4:]], 4)
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(Client(url))
+        await warm_up(client, sessions)
+        peer = None
+        if args.peer_url:
+            peer = await stack.enter_async_context(Client(args.peer_url, model=args.peer_model,
+                                                          fresh_connections=True))
+            result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
+            await warm_up(peer, sessions)
         for c in args.concurrency:
-            picked = level_sessions(args, sessions, c)
-            say(f"closed loop, {c} users, {len(picked)} sessions ({sum(map(len, picked))} requests)")
-            results, duration = await closed_loop(client, picked, c)
-            out[str(c)] = summarize(results, duration)
-            _said(out[str(c)])
-            if peer_out is not None:
-                say(f"{args.peer_name}: closed loop, {c} users, {len(picked)} sessions")
-                results, duration = await closed_loop(peer, picked, c)
-                peer_out["sweep"][str(c)] = summarize(results, duration)
-                _said(peer_out["sweep"][str(c)])
+            out[str(c)] = await closed_level(client, args, sessions, c)
+            if peer is not None:
+                result["peer"]["sweep"][str(c)] = await closed_level(peer, args, sessions, c, f"{args.peer_name}: ")
             report.write_json(args.name + "_partial", result)  # a run cut short keeps what it measured
         if args.rate:
             used = sum(max(args.min_sessions, c) for c in sorted(set(args.concurrency) | {args.cache_concurrency}))
@@ -137,14 +146,10 @@ def level_sessions(args, sessions, c: int) -> list:
 
 
 async def cache_off(args, url: str, sessions, result: dict) -> None:
-    c = args.cache_concurrency
-    picked = level_sessions(args, sessions, c)
     async with Client(url) as client:
-        await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
-        say(f"cache off: closed loop, {c} users, {len(picked)} sessions")
-        results, duration = await closed_loop(client, picked, c)
-    result["cache_off"] = {str(c): summarize(results, duration)}
-    _said(result["cache_off"][str(c)])
+        await warm_up(client, sessions)
+        c = args.cache_concurrency
+        result["cache_off"] = {str(c): await closed_level(client, args, sessions, c, "cache off: ")}
 
 
 async def interference(args, url: str, result: dict) -> None:
@@ -195,13 +200,9 @@ async def peer_sweep(args, sessions, result: dict) -> None:
     """The sweep's closed loops against the peer alone (when the sweep phase did not run them)."""
     out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
     async with Client(args.peer_url, model=args.peer_model, fresh_connections=True) as client:
-        await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
+        await warm_up(client, sessions)
         for c in args.concurrency:
-            picked = level_sessions(args, sessions, c)
-            say(f"{args.peer_name}: closed loop, {c} users, {len(picked)} sessions")
-            results, duration = await closed_loop(client, picked, c)
-            out["sweep"][str(c)] = summarize(results, duration)
-            _said(out["sweep"][str(c)])
+            out["sweep"][str(c)] = await closed_level(client, args, sessions, c, f"{args.peer_name}: ")
 
 
 def measure(args) -> dict:
