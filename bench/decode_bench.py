@@ -105,11 +105,7 @@ def plot(result: dict) -> str:
     ax.set_title(f"decode_bench, {result['preset']}, context {result['context']}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    report.RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(report.RESULTS / "decode_bench.png", dpi=110)
-    plt.close(fig)
-    return "decode_bench.png"
+    return report.save_figure(fig, "decode_bench.png")
 
 
 def main(argv: list[str] | None = None) -> int:

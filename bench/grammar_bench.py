@@ -239,11 +239,7 @@ def plot(result: dict) -> str:
     ax.set_title(f"grammar_bench, {result['preset']}, context {result['context']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    report.RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(report.RESULTS / "grammar_bench.png", dpi=110)
-    plt.close(fig)
-    return "grammar_bench.png"
+    return report.save_figure(fig, "grammar_bench.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,3 +46,14 @@ def update_section(title: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     BENCHMARKS.write_text(text)
+
+
+def save_figure(fig, filename: str, dpi: int = 110) -> str:
+    """Writes a finished matplotlib figure under bench/results and closes it; returns the file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(RESULTS / filename, dpi=dpi)
+    plt.close(fig)
+    return filename
