@@ -2,26 +2,19 @@
 them, and falls back to the packaged DeepSeek-V3 tokenizer when a model directory has none."""
 import json
 
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
 from model.convert import convert
 from model.grammar import default_tokenizer_json
 from model.tokenizer_files import TOKENIZER_FILES, model_tokenizer_json
 from services.gateway.config import GatewayConfig
 from services.gateway.gateway_state import GatewayState
 from services.gateway.tokenizer import DEFAULT_TOKENIZER_JSON
+from tests.hf_checkpoint import save_small_v3_checkpoint
 
 MARKER = "<｜test▁marker｜>"
 
 
 def _checkpoint_with_tokenizer(hf_dir):
-    torch.manual_seed(0)
-    hf_cfg = DeepseekV3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None,
-                              qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_routed_experts=0,
-                              first_k_dense_replace=1, max_position_embeddings=512)
-    DeepseekV3ForCausalLM(hf_cfg).save_pretrained(hf_dir)
+    save_small_v3_checkpoint(hf_dir)
     # The checkpoint's own tokenizer: the V3 vocabulary with one more added token, so it is told apart.
     spec = json.loads(DEFAULT_TOKENIZER_JSON.read_text(encoding="utf-8"))
     vocab = max(token["id"] for token in spec["added_tokens"]) + 1

@@ -6,13 +6,12 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from model.config import preset
 from model.convert import convert
 from model.runner import ModelRunner
 from model.weights import init_model, load_model, save_model, weights_digest
+from tests.hf_checkpoint import save_small_v3_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +72,7 @@ def _write_safetensors(path, tensors: dict[str, np.ndarray]):
 
 
 def test_converter_names_missing_and_misshapen_hf_tensors(tmp_path):
-    torch.manual_seed(0)
-    hf_cfg = DeepseekV3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None,
-                              qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, n_routed_experts=0,
-                              first_k_dense_replace=1, max_position_embeddings=512)
-    DeepseekV3ForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
+    save_small_v3_checkpoint(tmp_path / "hf")
     from model.convert import SafetensorsDir
     tensors = SafetensorsDir(tmp_path / "hf")
     arrays = {n: np.asarray(tensors.get(n), np.float32) for n in tensors.names()}
