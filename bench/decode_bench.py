@@ -1,6 +1,7 @@
 """decode_bench: one model step of the paged runner, in-process: decode batches and prefill segments,
 in the default mode and in batch-invariant mode (every decode batch padded to the engine's max batch,
-prefill cut into fixed segments), so the cost of invariance is measured, not guessed.
+prefill cut into fixed segments), so the cost of invariance is measured, not guessed; and the engine's
+bfloat16 serving (model/serving.py) against float32 serving of the same weights.
 
     python -m bench.decode_bench [--preset mini] [--batches 1,4,16,64] [--context 512] [--repeats 5]
 
@@ -19,6 +20,7 @@ from model.config import preset
 from model.paged_runner import DecodeRow, LatentPool, PagedRunner
 from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, sample_batch
+from model.serving import serving_model
 from model.weights import init_model
 
 COMMAND = "python -m bench.decode_bench"
@@ -26,13 +28,15 @@ COMMAND = "python -m bench.decode_bench"
 
 def measure(args) -> dict:
     cfg = preset(args.preset)
-    model = init_model(cfg)
+    checkpoint = init_model(cfg)
+    model = serving_model(checkpoint, "bfloat16")
     B = 64
     pages_per_seq = -(-(args.context + 1) // B)
     batches = sorted(args.batches)
     pool = LatentPool(cfg, 1 + max(batches) * pages_per_seq + -(-args.prefill // B), B)
     default = PagedRunner(model, cfg, pool)
     invariant = PagedRunner(model, cfg, pool, fixed_batch=_pow2(args.max_batch))
+    float32 = PagedRunner(serving_model(checkpoint, "float32"), cfg, pool, decode_attention_dtype="float32")
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens
@@ -43,25 +47,27 @@ def measure(args) -> dict:
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
-        for name, runner in (("default", default), ("invariant", invariant)):
+        for name, runner in (("default", default), ("invariant", invariant), ("float32", float32)):
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
-        out["decode"][str(n)] = step | {"tokens_per_s_default": n / step["default"],
-                                        "tokens_per_s_invariant": n / step["invariant"]}
+        out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name]
+                                        for name in ("default", "invariant", "float32")}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
-              f"invariant", flush=True)
+              f"invariant, {step['float32'] * 1000:.1f} ms float32", flush=True)
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
     table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
 
-    def segments(size: int):
+    def segments(size: int, runner: PagedRunner):
         def run():
             for start in range(0, args.prefill, size):
                 end = min(args.prefill, start + size)
-                logits = default.prefill(prompt[start:end], start, table, end == args.prefill)
+                logits = runner.prefill(prompt[start:end], start, table, end == args.prefill)
             np.asarray(logits)
         return run
 
-    for name, size in (("solo", args.solo_tokens), ("invariant", args.step_tokens)):
-        out["prefill"][name] = {"segment_tokens": size, "seconds": median_seconds(segments(size), args.repeats)}
+    for name, size, runner in (("solo", args.solo_tokens, default), ("invariant", args.step_tokens, default),
+                               ("float32", args.solo_tokens, float32)):
+        out["prefill"][name] = {"segment_tokens": size,
+                                "seconds": median_seconds(segments(size, runner), args.repeats)}
         print(f"prefill {args.prefill} tokens in {size}-token segments: {out['prefill'][name]['seconds']:.2f} s",
               flush=True)
     out["load_average_end"] = os.getloadavg()[0]
@@ -70,23 +76,30 @@ def measure(args) -> dict:
 
 def write(result: dict) -> None:
     rows = [[n, f"{d['default'] * 1000:.1f}", f"{d['tokens_per_s_default']:.1f}", f"{d['invariant'] * 1000:.1f}",
-             f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x"]
+             f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x",
+             f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x"]
             for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
     p = result["prefill"]
     one = result["decode"].get("1")
-    scaling = [f"- decode tokens/s at batch {n} / batch 1: {d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x"
+    scaling = [f"- decode tokens/s at batch {n} / batch 1: {d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x "
+               f"(float32 serving: {d['tokens_per_s_float32'] / one['tokens_per_s_float32']:.2f}x)"
                for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0])) if one and n != "1"]
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Model `{result['preset']}`, every sequence at {result['context']} tokens of context; median of the "
-            "repeats, both modes side by side in one process. Invariant mode pads each decode batch to "
-            f"{result['max_batch']} rows.", "",
+            "repeats, all runners side by side in one process. Default and invariant: the engine's bfloat16 "
+            "serving (model/serving.py: projections stored (out, in) in bfloat16, float32 accumulation; decode "
+            "attention on bf16 latents); float32: the same weights served in float32 (`--dtype float32`). "
+            f"Invariant mode pads each decode batch to {result['max_batch']} rows.", "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
-                                   "invariant tok/s", "invariant / default"], rows), "",
+                                   "invariant tok/s", "invariant / default", "float32 step ms",
+                                   "float32 / bfloat16"], rows), "",
             f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
             f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
             f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
-            f"mode's fixed cuts): {p['invariant']['seconds'] / p['solo']['seconds']:.2f}x.", "", *scaling]
+            f"mode's fixed cuts): {p['invariant']['seconds'] / p['solo']['seconds']:.2f}x; served in float32, "
+            f"{p['float32']['seconds']:.2f} s in {p['float32']['segment_tokens']}-token segments "
+            f"({p['float32']['seconds'] / p['solo']['seconds']:.2f}x bfloat16's).", "", *scaling]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
     report.update_section("Decode batching and batch invariance (decode_bench)", "\n".join(body))
 
@@ -97,7 +110,7 @@ def plot(result: dict) -> str:
     import matplotlib.pyplot as plt
     ns = sorted(int(n) for n in result["decode"])
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in (("default", "o-"), ("invariant", "s--")):
+    for mode, style in (("default", "o-"), ("invariant", "s--"), ("float32", "^:")):
         ax.plot(ns, [result["decode"][str(n)][f"tokens_per_s_{mode}"] for n in ns], style, label=mode)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences in the decode batch")

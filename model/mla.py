@@ -102,9 +102,10 @@ class MLAttention(nnx.Module):
         query chunks then read them; whole keys make each chunk's scores one matmul."""
         kv_SA = cache_SA[:view].astype(dtype)
         c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
-        k_nope_NSH = jnp.einsum("sc,cnh->nsh", c_SC, self.w_uk[...])
+        k_nope_NSH = jnp.einsum("sc,cnh->nsh", c_SC, self.w_uk[...], preferred_element_type=jnp.float32)
         kpe_NSR = jnp.broadcast_to(kpe_SR[None], (self.num_heads, *kpe_SR.shape))
-        return jnp.concatenate([k_nope_NSH, kpe_NSR], axis=-1), jnp.einsum("sc,cnv->nsv", c_SC, self.w_uv[...])
+        v_NSV = jnp.einsum("sc,cnv->nsv", c_SC, self.w_uv[...], preferred_element_type=jnp.float32)
+        return jnp.concatenate([k_nope_NSH.astype(dtype), kpe_NSR], axis=-1), v_NSV.astype(dtype)
 
     def attend(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array, cache_SA: jax.Array,
                view: int, expanded: tuple[jax.Array, jax.Array] | None, key_block: int = KEY_BLOCK) -> jax.Array:
@@ -115,8 +116,12 @@ class MLAttention(nnx.Module):
         which also hides padding and stale rows. Scores are head-major (N, T, S): plain batched matmuls.
         A chunk of several queries over a view longer than `key_block` rows is computed blockwise
         (online softmax, scores (N, T, key_block) at a time); otherwise, and with key_block=0, in one pass.
+
+        Products take their inputs at the weights' dtype (a bfloat16-served model's queries arrive in
+        float32 and are rounded here, model/serving.py) and accumulate scores and outputs in float32.
         """
-        T, dtype = q_nope_NTH.shape[1], q_nope_NTH.dtype
+        T, dtype = q_nope_NTH.shape[1], self.w_uk.dtype
+        q_nope_NTH, q_pe_NTR = q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype)
         block = key_block_for(view, key_block)
         if T > 1 and block < view:
             out_NTV = self._attend_blockwise(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, block)
@@ -133,18 +138,20 @@ class MLAttention(nnx.Module):
         if expanded is None:
             kv_SA = cache_SA[:view].astype(dtype)  # attention reads the latents at cache precision
             c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
-            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...])
-            scores_NTS = jnp.einsum("ntr,sr->nts", q_pe_NTR, kpe_SR) + jnp.einsum("ntc,sc->nts", q_lat_NTC, c_SC)
+            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...], preferred_element_type=jnp.float32)
+            scores_NTS = (jnp.einsum("ntr,sr->nts", q_pe_NTR, kpe_SR, preferred_element_type=jnp.float32)
+                          + jnp.einsum("ntc,sc->nts", q_lat_NTC.astype(dtype), c_SC, preferred_element_type=jnp.float32))
         else:
             q_NTK = jnp.concatenate([q_nope_NTH, q_pe_NTR], axis=-1)
-            scores_NTS = jnp.einsum("ntk,nsk->nts", q_NTK, expanded[0][:, :view])
+            scores_NTS = jnp.einsum("ntk,nsk->nts", q_NTK, expanded[0][:, :view], preferred_element_type=jnp.float32)
         causal_TS = jnp.arange(view)[None, :] <= positions_T[:, None]
         scores_NTS = jnp.where(causal_TS[None], scores_NTS.astype(jnp.float32) * self.scale, -jnp.inf)
         probs_NTS = jax.nn.softmax(scores_NTS, axis=-1).astype(dtype)
         if expanded is None:
-            out_lat_NTC = jnp.einsum("nts,sc->ntc", probs_NTS, c_SC)
-            return jnp.einsum("ntc,cnv->ntv", out_lat_NTC, self.w_uv[...])
-        return jnp.einsum("nts,nsv->ntv", probs_NTS, expanded[1][:, :view])
+            out_lat_NTC = jnp.einsum("nts,sc->ntc", probs_NTS, c_SC, preferred_element_type=jnp.float32)
+            return jnp.einsum("ntc,cnv->ntv", out_lat_NTC.astype(dtype), self.w_uv[...],
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("nts,nsv->ntv", probs_NTS, expanded[1][:, :view], preferred_element_type=jnp.float32)
 
     def _attend_blockwise(self, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, block) -> jax.Array:
         """(N, T, V) as `_attend_once`, over key blocks of `block` rows with a running max and sum (flash
@@ -157,7 +164,8 @@ class MLAttention(nnx.Module):
         N, T = q_nope_NTH.shape[:2]
         C = self.kv_lora_rank
         if expanded is None:
-            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...])
+            q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...],
+                                   preferred_element_type=jnp.float32).astype(dtype)
             acc_dims = C
 
             def scores_and_values(begin):
@@ -197,5 +205,5 @@ class MLAttention(nnx.Module):
         _, sum_NT, acc_NTX = jax.lax.fori_loop(0, blocks, step, init)
         out_NTX = (acc_NTX / sum_NT[..., None]).astype(dtype)
         if expanded is None:
-            return jnp.einsum("ntc,cnv->ntv", out_NTX, self.w_uv[...])
+            return jnp.einsum("ntc,cnv->ntv", out_NTX, self.w_uv[...], preferred_element_type=jnp.float32)
         return out_NTX

@@ -110,8 +110,8 @@ def _write_slots(pool_PBA, slots_T, latents_TA):
 
 def _view(pool_PBA, table_Q, dtype):
     """Pages table_Q of the pool as dense (Q * B, A) latents at cache dtype."""
-    pages = pool_PBA.at[table_Q].get(mode="promise_in_bounds")
-    return jax.lax.bitcast_convert_type(pages, jnp.dtype(dtype)).reshape(-1, pool_PBA.shape[-1])
+    pages = jax.lax.bitcast_convert_type(pool_PBA, jnp.dtype(dtype)).at[table_Q].get(mode="promise_in_bounds")
+    return pages.reshape(-1, pool_PBA.shape[-1])
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
@@ -129,7 +129,7 @@ def _gather_view(pool_PBA, table_Q, dtype):
     return _view(pool_PBA, table_Q, dtype)
 
 
-def _attend_decode(attn, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA, dtype) -> jax.Array:
+def _attend_decode(attn, absorb: "Absorb", q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA, dtype) -> jax.Array:
     """Absorbed MLA attention of one query per sequence over its own (S, A) view of earlier positions
     and its own new latent (B, A), which is not in the view; returns (B, D).
 
@@ -137,10 +137,11 @@ def _attend_decode(attn, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA, 
     contraction and no slice of the view is copied) and values its first 512 columns; the two big
     products take `dtype` inputs (the cache dtype by default: the view is not widened) and accumulate
     and soften in float32. The new token's own key joins the softmax as one more column instead of being
-    scattered into the view, which made XLA:CPU copy the whole view every layer. With dtype float32 it
-    is the dense runner's attention, summed in another order."""
+    scattered into the view, which made XLA:CPU copy the whole view every layer. The absorbed weights
+    come head-major (`Absorb`), so both absorptions are plain batched products with no per-step
+    transpose of a weight. With dtype float32 it is the dense runner's attention, summed in another order."""
     B, S, C = kv_BSA.shape[0], kv_BSA.shape[1], attn.kv_lora_rank
-    q_lat_BNC = jnp.einsum("nbh,cnh->bnc", q_nope_NBH, attn.w_uk[...])
+    q_lat_BNC = jnp.einsum("nbh,nhc->nbc", q_nope_NBH.astype(jnp.float32), absorb.w_uk_NHC).transpose(1, 0, 2)
     q_BNA = jnp.concatenate([q_lat_BNC, q_pe_NBR.transpose(1, 0, 2)], axis=-1).astype(dtype)
     kv_BSA, new_BA = kv_BSA.astype(dtype), latents_BA.astype(dtype)
     scores_BNS = jnp.einsum("bsa,bna->bns", kv_BSA, q_BNA, preferred_element_type=jnp.float32) * attn.scale
@@ -152,26 +153,33 @@ def _attend_decode(attn, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA, 
     total_BN = jnp.sum(weights_BNS, axis=-1) + own_BN
     out_BNA = jnp.einsum("bns,bsa->bna", weights_BNS.astype(dtype), kv_BSA, preferred_element_type=jnp.float32)
     out_BNA = (out_BNA + own_BN[..., None] * new_BA[:, None].astype(jnp.float32)) / total_BN[..., None]
-    out_BNV = jnp.einsum("bnc,cnv->bnv", out_BNA[..., :C].astype(q_nope_NBH.dtype), attn.w_uv[...])
-    return attn.o_proj(out_BNV.reshape(B, -1))
+    out_NBV = jnp.einsum("nbc,ncv->nbv", out_BNA[..., :C].transpose(1, 0, 2), absorb.w_uv_NCV)
+    return attn.o_proj(out_NBV.transpose(1, 0, 2).reshape(B, -1))
 
 
-@partial(jax.jit, static_argnums=(0, 1, 9))
-def _decode_batch(layer_defs, head_def, embed_VD, layer_states, head_state, pools, tokens_B, positions_B, tables_BQ,
-                  attention_dtype):
+class Absorb(NamedTuple):
+    """A layer's absorbed-attention weights laid out head-major for decode: w_uk (N, H, C), w_uv (N, C, V)."""
+    w_uk_NHC: jax.Array
+    w_uv_NCV: jax.Array
+
+
+@partial(jax.jit, static_argnums=(0, 1, 10))
+def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_state, pools, tokens_B, positions_B,
+                  tables_BQ, attention_dtype):
     """One decode token for each of B sequences through every layer: (logits (B, V) float32, the tokens'
     latents (L, B, A)). The pools are only read here; `_write_latents` stores the new latents after: a
     scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool."""
     x_BD = jnp.take(embed_VD, tokens_B, axis=0)
     B, Q = tables_BQ.shape
     latents = []
-    for graphdef, state, pool_PBA in zip(layer_defs, layer_states, pools):
+    for graphdef, state, absorb, pool_PBA in zip(layer_defs, layer_states, absorbs, pools):
         layer = nnx.merge(graphdef, state)
         h_BD = layer.input_norm(x_BD)
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
         latents_BA = layer.attn.latents(h_BD, positions_B)
         kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, Q * pool_PBA.shape[1], -1)
-        x_BD = x_BD + _attend_decode(layer.attn, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA,
+        kv_BSA = jax.lax.optimization_barrier(kv_BSA)
+        x_BD = x_BD + _attend_decode(layer.attn, absorb, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA,
                                      attention_dtype or layer.attn.cache_dtype)
         x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
         latents.append(latents_BA)
@@ -215,6 +223,11 @@ class PagedRunner:
         self.decode_attention_dtype = jnp.dtype(decode_attention_dtype).name if decode_attention_dtype else None
         self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
         self._layer_states = [state for _, state in self.dense.layers]
+        # Decode's absorbed weights, laid out head-major once, in float32: these products have a few
+        # rows per head, where XLA:CPU's float32 kernels beat its bfloat16 ones (decode_bench).
+        self._absorbs = [Absorb(layer.attn.w_uk[...].transpose(1, 2, 0).astype(jnp.float32),
+                                layer.attn.w_uv[...].transpose(1, 0, 2).astype(jnp.float32))
+                         for layer in model.layers]
 
     def check_tokens(self, tokens: np.ndarray, extra: int = 0) -> None:
         self.dense.check_tokens(tokens, 0, extra)
@@ -249,7 +262,7 @@ class PagedRunner:
             tables[i] = self._table(r.pages, view)
         head_def, head_state = self.dense.head
         logits, latents = _decode_batch(self._layer_defs, head_def, self.dense.embed_VD, self._layer_states,
-                                        head_state, self.pool.layers, tokens, positions, tables,
+                                        self._absorbs, head_state, self.pool.layers, tokens, positions, tables,
                                         self.decode_attention_dtype)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits[:n]

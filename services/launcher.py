@@ -73,6 +73,9 @@ class StackConfig:
         "help": "engines give each sequence bit-identical logits whatever shares its steps (slower)"})
     pool_gib: float = field(default=0.0, metadata={
         "help": "latent pool per engine, GiB (0: the engine's default share of memory)"})
+    dtype: str = field(default="bfloat16", metadata={
+        "help": "engines' serving dtype: bfloat16 (projections stored (out, in), float32 accumulation) or "
+                "float32 (the checkpoint's own numerics)"})
     log_format: str = field(default="text", metadata={"help": "the services' log lines: text or json"})
     detach: bool = field(default=False, metadata={
         "help": "start in the background, return once ready (stop with `deepinfer stop`)"})
@@ -82,6 +85,8 @@ class StackConfig:
         check_redis_url(self.redis_url)
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, got {self.engines}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
 
 
 class ServiceFailed(Exception):
@@ -159,6 +164,7 @@ class Stack:
                     engine_cache.append("--batch-invariant")
                 if self.cfg.pool_gib:
                     engine_cache += ["--pool-gib", str(self.cfg.pool_gib)]
+                engine_cache += ["--dtype", self.cfg.dtype]
                 self._spawn(f"engine{i}", "services.engine", engine_cache + [
                     "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
                     "--cache-dtype", self.cfg.cache_dtype,

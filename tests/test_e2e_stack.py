@@ -10,6 +10,7 @@ import pytest
 from openai import OpenAI
 
 from model.runner import ModelRunner
+from model.serving import serving_model
 from model.sampling import SamplingParams
 from model.weights import load_model
 from services.gateway.chat_template import ChatMessage, render_chat
@@ -43,7 +44,7 @@ def tokens_of():
 @pytest.fixture(scope="module")
 def reference(stack):
     loaded = load_model(stack.data / "models" / "tiny")
-    runner = ModelRunner(loaded.model, loaded.config)
+    runner = ModelRunner(serving_model(loaded.model, "bfloat16"), loaded.config)  # as the engines serve it
     return lambda tokens, n: list(runner.generate(np.asarray(tokens), SamplingParams(max_tokens=n)))
 
 

@@ -10,6 +10,7 @@ from model.config import preset
 from model.paged_runner import DecodeRow, LatentPool, PagedRunner
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
+from model.serving import serving_model
 from model.weights import init_model, save_model
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
@@ -105,14 +106,17 @@ def engine_config(tmp_path, redis_url: str | None = None, **overrides) -> Engine
     return EngineConfig(**({"pool_tokens": 64 * 400, "heartbeat_s": 0.2} | cache | overrides))
 
 
-@pytest.mark.parametrize("attention_dtype, tolerance", [("float32", 1e-4), (None, 5e-3)])
-def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, attention_dtype, tolerance):
-    """Default mode: ragged decode batches over pages give the dense runner's logits: within fp32
-    tolerance with float32 decode attention, within bf16's with the default (cache dtype) products."""
+@pytest.mark.parametrize("dtype, attention_dtype, tolerance", [("float32", "float32", 1e-4),
+                                                                ("bfloat16", None, 5e-3)])
+def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, dtype, attention_dtype, tolerance):
+    """Default mode: ragged decode batches over pages give the dense runner's logits over the same served
+    model: within fp32 tolerance served in float32 with float32 decode attention, within bf16's served in
+    bfloat16 with the default (cache dtype) attention products."""
     cfg = tiny.config
-    dense = ModelRunner(tiny.model, cfg)
+    served = serving_model(tiny.model, dtype)
+    dense = ModelRunner(served, cfg)
     pool = LatentPool(cfg, 64, 64)
-    paged = PagedRunner(tiny.model, cfg, pool, chunk_tokens=64, decode_attention_dtype=attention_dtype)
+    paged = PagedRunner(served, cfg, pool, chunk_tokens=64, decode_attention_dtype=attention_dtype)
     lengths, tables = [70, 200, 5], [[3, 9], [4, 7, 12, 1], [2]]
     prompts = [prompt(10 + i, n) for i, n in enumerate(lengths)]
     refs = [dense.prefill(p, reserve=8) for p in prompts]
@@ -282,9 +286,9 @@ async def test_an_answer_that_outgrows_the_pool_is_cut_with_length_not_refused(t
 def test_mini_decode_is_batch_invariant_and_matches_the_dense_runner():
     """The mini preset's real widths (8 heads, 512 + 64 latent, 129K vocab), in-process: in batch-invariant
     mode a sequence's decode logits are bit-identical alone or among 15 others of different lengths; in
-    the default mode a batch's logits agree with the dense runner within bf16 attention's tolerance."""
+    the default mode a batch's logits agree with the dense runner over the same bfloat16-served model."""
     cfg = preset("mini")
-    model = init_model(cfg)
+    model = serving_model(init_model(cfg), "bfloat16")  # as the engine serves it
     lengths = [40 + 23 * i for i in range(16)]
     tables = [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(16)]  # 7 pages = 448 tokens each
     pool = LatentPool(cfg, 1 + 7 * 16, 64)
@@ -300,4 +304,6 @@ def test_mini_decode_is_batch_invariant_and_matches_the_dense_runner():
     for i in (0, 15):
         ref = dense.prefill(prompts[i], reserve=2)
         want = dense.decode_step(firsts[i], ref.cache)
-        np.testing.assert_allclose(together[i], want, atol=5e-3 * np.abs(want).max())
+        # bfloat16 serving rounds every projection's input to 8 bits, so a different summation order of
+        # attention can flip roundings downstream: ~1% of the largest logit here (float32 serving: 1e-4).
+        np.testing.assert_allclose(together[i], want, atol=2e-2 * np.abs(want).max())

@@ -12,6 +12,8 @@ import pytest
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
 from model.runner import ModelRunner
 from model.sampling import SamplingParams, SamplingRow, sample_batch
+from model.serving import serving_model
+from services.engine.config import EngineConfig
 from tests.test_engine_batching import Running, engine_config, prompt, tiny  # noqa: F401 - tiny is a fixture
 
 VOCAB = 129_280
@@ -133,7 +135,8 @@ async def test_a_preempted_grammar_sequence_keeps_its_grammar_state(tiny, tmp_pa
 
 async def test_logit_bias_penalties_and_logprobs_through_the_engine(tiny, tmp_path):
     p = prompt(5, 30)
-    logits_V = np.asarray(ModelRunner(tiny.model, tiny.config).prefill(p, reserve=8).logits, np.float32)
+    served = serving_model(tiny.model, EngineConfig().dtype)  # the engine's default serving dtype
+    logits_V = np.asarray(ModelRunner(served, tiny.config).prefill(p, reserve=8).logits, np.float32)
     logp_V = np.asarray(jax.nn.log_softmax(jnp.asarray(logits_V)))
     async with Running(tiny, engine_config(tmp_path, max_batch=1)) as run:
         tokens, _ = await collect(run, run.job(p, max_tokens=6, logit_bias=((777, 100.0),)))

@@ -19,6 +19,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from kvstore import PrefixIndex, block_hashes, open_redis
 from model.runner import ModelRunner
+from model.serving import serving_model
 from model.sampling import SamplingParams
 from model.weights import load_model
 from services.engine.openapi_document import engine_openapi_document
@@ -75,7 +76,7 @@ async def _generate(url: str, job: dict) -> tuple[int, list[dict]]:
 def reference(engine):
     _, model_dir, _ = engine
     loaded = load_model(model_dir)
-    return loaded, ModelRunner(loaded.model, loaded.config)
+    return loaded, ModelRunner(serving_model(loaded.model, "bfloat16"), loaded.config)  # as the engine serves it
 
 
 async def test_miss_then_hit_through_the_index_gives_the_same_tokens(engine, reference):

@@ -209,6 +209,7 @@ class EngineState:
             self.cache = CacheLink(cfg, geometry, self.loaded.fingerprint)
             await self.cache.start()
             self.engine = await loop.run_in_executor(None, Engine, self.loaded, cfg, self.cache, self.metrics)
+            self.loaded = self.engine.loaded  # the served model: the checkpoint's projections can be freed
             if cfg.warmup:
                 await loop.run_in_executor(None, self.engine.warm_up)
             self.engine.start(loop)

@@ -56,9 +56,11 @@ class EngineConfig:
     batch_invariant: bool = field(default=False, metadata={
         "help": "a sequence's logits are bit-identical whatever shares its steps (fixed batch shape, fixed "
                 "prefill cuts; costs throughput, see BENCHMARKS.md)"})
-    decode_attention_dtype: str = field(default="", metadata={
-        "help": "input dtype of decode attention's products: empty = the cache dtype (as FlashMLA; float32 "
-                "accumulation), float32 = the dense runner's numerics (slower)"})
+    dtype: str = field(default="bfloat16", metadata={
+        "help": "serving dtype: the model's projections (stored (out, in)) and decode attention take their "
+                "inputs at it and accumulate in float32. bfloat16 (as vLLM serves a float32 checkpoint at half "
+                "precision; CPUs with matrix units run it several times faster, see BENCHMARKS.md) or float32 "
+                "(the checkpoint's own numerics)"})
     save_every_tokens: int = field(default=2048, metadata={
         "help": "during a long prefill, save its full blocks every this many tokens (a cancelled or "
                 "preempted prefill keeps its progress)"})
@@ -91,8 +93,8 @@ class EngineConfig:
         check_log_format(self.log_format)
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
-        if self.decode_attention_dtype not in ("", "bfloat16", "float32"):
-            raise ValueError(f"decode_attention_dtype must be bfloat16 or float32, got {self.decode_attention_dtype!r}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
 
         if self.pool_tokens < 0 or self.pool_gib < 0:
             raise ValueError("pool_tokens and pool_gib must be >= 0")

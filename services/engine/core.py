@@ -27,6 +27,7 @@ from model.grammar import TokenGrammar, default_tokenizer_json, token_grammar
 from model.paged_runner import SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner
 from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, TokenLogprobs, request_seed, sample_batch
+from model.serving import serving_model
 from model.weights import LoadedModel
 from services.common.request_id import current_request_id
 from services.engine.cache_link import CacheLink
@@ -52,15 +53,17 @@ class TooLarge(ValueError):
 
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cache: CacheLink, metrics: EngineMetrics):
-        self.loaded, self.cfg, self.cache, self.metrics = loaded, cfg, cache, metrics
+        # The served model (model/serving.py); the checkpoint's own projections are dropped with `loaded`.
+        self.loaded = loaded._replace(model=serving_model(loaded.model, cfg.dtype))
+        self.cfg, self.cache, self.metrics = cfg, cache, metrics
         model_cfg = loaded.config
         self.B = cfg.block_tokens
         num_pages = cfg.pool_pages(model_cfg.num_layers * model_cfg.latent_dim
                                    * np.dtype(model_cfg.cache_dtype).itemsize)
         self.latents = LatentPool(model_cfg, num_pages, self.B)
-        self.runner = PagedRunner(loaded.model, model_cfg, self.latents, chunk_tokens=cfg.chunk_tokens,
+        self.runner = PagedRunner(self.loaded.model, model_cfg, self.latents, chunk_tokens=cfg.chunk_tokens,
                                   fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0,
-                                  decode_attention_dtype=cfg.decode_attention_dtype or None)
+                                  decode_attention_dtype="float32" if cfg.dtype == "float32" else None)
         self.pages = PagePool(num_pages, cfg.memory_tier)
         self.scheduler = Scheduler(self.pages, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens,
                                                               cfg.solo_tokens, cfg.batch_invariant))

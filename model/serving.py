@@ -1,0 +1,67 @@
+"""The model as the engine serves it: its projections at a serving dtype, stored (out, in).
+
+A checkpoint's weights keep their own dtype for conversion, parity tests and the dense runner's
+reference; the engine serves a copy whose every `Linear` becomes a `ServingLinear`:
+- weights at the serving dtype (bfloat16 by default, as vLLM's `--dtype auto` serves a float32
+  checkpoint at half precision), stored (out, in) as PyTorch and GPU kernels keep them;
+- inputs cast to that dtype, products accumulated and returned in float32, so the residual stream,
+  norms, softmax and sampling stay float32;
+- attention's absorbed weights (W_UK, W_UV) at that dtype too, so prefill attention (model/mla.py) takes
+  its inputs at it and accumulates in float32, as decode attention does (model/paged_runner.py).
+
+Why (measured on this CPU, XLA:CPU with YNNPACK, bench/decode_bench.py and BENCHMARKS.md): bfloat16
+products with an (out, in) operand run on the CPU's matrix units; 24 feed-forward products of `mini`
+take 10.6 ms at 16 rows against 35.6 ms in float32 (x @ W, (in, out)), and 133 ms against 557 ms at
+1,024 rows. A bfloat16 product of ONE row takes a slow path on XLA:CPU (86 ms for the same 24), so a
+single row is computed as two (the copy costs nothing next to the weights it reads).
+
+`--dtype float32` serves the checkpoint's own weights unchanged: the dense runner's numerics.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.layers import Linear
+from model.mla import MLAttention
+from model.transformer import DeepseekModel
+
+SERVING_DTYPES = ("bfloat16", "float32")
+
+
+class ServingLinear(nnx.Module):
+    """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output."""
+
+    def __init__(self, weight_OI: jax.Array):
+        self.weight = nnx.Param(weight_OI)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w_OI = self.weight[...]
+        one_row = x.ndim == 2 and x.shape[0] == 1
+        x = jnp.concatenate([x, x]) if one_row else x  # see the module's note on one-row products
+        y = jnp.einsum("...i,oi->...o", x.astype(w_OI.dtype), w_OI, preferred_element_type=jnp.float32)
+        return y[:1] if one_row else y
+
+
+def serving_model(model: DeepseekModel, dtype: str) -> DeepseekModel:
+    """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
+    otherwise a new module tree that shares every array but the projections, which it re-lays (the
+    caller drops the original to free the old projections)."""
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"serving dtype must be one of {SERVING_DTYPES}, got {dtype!r}")
+    if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
+        return model
+    graphdef, state = nnx.split(model)
+    served = nnx.merge(graphdef, state)  # new modules over the same arrays
+    for path, module in list(nnx.iter_graph(served)):
+        if isinstance(module, MLAttention):  # attention's own products take the serving dtype too
+            module.w_uk = nnx.Param(module.w_uk[...].astype(dtype))
+            module.w_uv = nnx.Param(module.w_uv[...].astype(dtype))
+        elif isinstance(module, Linear):
+            *parents, name = path
+            parent = served
+            for key in parents:
+                parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+            setattr(parent, name, ServingLinear(module.kernel[...].T.astype(dtype)))
+    return served
