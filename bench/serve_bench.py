@@ -73,7 +73,7 @@ class StackRun:
         cfg = StackConfig(preset=self.args.preset, model_dir=model_dir, data_dir=str(self.dir),
                           cache=self.cache, gateway_port=free_port(), kvstore_port=free_port(),
                           engine_port=free_ports(1), redis_port=free_port(), ready_timeout_s=900,
-                          batch_invariant=self.args.batch_invariant)
+                          batch_invariant=self.args.batch_invariant, dtype=self.args.dtype)
         say(f"starting a stack ({'cache on' if self.cache else 'cache off'}) in {self.dir}")
         os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
         self.stack = Stack(cfg, quiet=True).start()
@@ -207,7 +207,7 @@ async def peer_sweep(args, sessions, result: dict) -> None:
 
 def measure(args) -> dict:
     sessions = workload(args)
-    result = {"machine": report.machine(), "preset": args.preset, "hash_tokens": args.hash_tokens,
+    result = {"machine": report.machine(), "preset": args.preset, "dtype": args.dtype, "hash_tokens": args.hash_tokens,
               "max_output": args.max_output, "sessions": len(sessions),
               "requests": sum(map(len, sessions)),
               "prompt_tokens_median": statistics.median(len(p) for s in sessions for p, _ in s),
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--long-tokens", type=int, default=16384)
     p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference"])
     p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the engines' serving dtype")
     p.add_argument("--peer-url", default="", help="also run the sweep against this OpenAI-compatible server")
     p.add_argument("--peer-name", default="llama-server")
     p.add_argument("--peer-model", default="mini", help="the model name the peer serves")

@@ -112,7 +112,8 @@ def write(result: dict, name: str) -> None:
     inter = result.get("interference")
     body = [f"Command: `{result['command']}` ({result['wall_s'] / 60:.0f} min; load average "
             f"{result['load_average_start']:.1f} at the start, {result['load_average_end']:.1f} at the end).",
-            f"Machine: {result['machine']}. Model `{result['preset']}`, one engine, through the gateway. Workload: "
+            f"Machine: {result['machine']}. Model `{result['preset']}` served in {result.get('dtype', 'float32')}, one "
+            "engine, through the gateway. Workload: "
             f"{result['requests']} requests of {result['sessions']} Mooncake conversation sessions (>= 3 turns), "
             f"{result['hash_tokens']} token ids per trace hash id (median prompt {result['prompt_tokens_median']:.0f} "
             f"tokens), outputs capped at {result['max_output']} tokens. Metrics as vLLM's benchmark_serving; "
