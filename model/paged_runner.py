@@ -178,6 +178,7 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_st
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
         latents_BA = layer.attn.latents(h_BD, positions_B)
         kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, Q * pool_PBA.shape[1], -1)
+        # The view as its own copy: fused into the two attention products, the gather ran inside each.
         kv_BSA = jax.lax.optimization_barrier(kv_BSA)
         x_BD = x_BD + _attend_decode(layer.attn, absorb, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA,
                                      attention_dtype or layer.attn.cache_dtype)
