@@ -57,22 +57,32 @@ def running(s: Scheduler, *prefill: tuple[int, int], decoding: int = 2) -> list[
     return seqs
 
 
-def test_the_prefill_fit_recovers_both_terms_from_segments_at_short_and_long_contexts():
+def test_the_prefill_fit_recovers_its_terms_from_segments_of_several_sizes_and_contexts():
     fit = measured().prefill
-    assert fit.a == pytest.approx(A, rel=1e-6) and fit.b == pytest.approx(B_CTX, rel=1e-6)
+    assert fit.coef == pytest.approx({"a": A, "b": B_CTX, "c": 0, "d": 0}, rel=1e-6, abs=1e-12)
     assert fit.predict(256, 16384) == pytest.approx(cost_of(256, 16384))
+    # With a per-segment view gather (c*end) and dispatch (d) as well:
+    c, d = 2e-7, 3e-3
+    with_view = PrefillCost()
+    for n, end in [(512, 512), (64, 600), (256, 4096), (64, 4100), (128, 8192), (64, 16384), (256, 16448)]:
+        with_view.observe(n, end, cost_of(n, end) + c * end + d)
+    assert with_view.coef == pytest.approx({"a": A, "b": B_CTX, "c": c, "d": d}, rel=1e-5)
+    assert with_view.summary() == {"seconds_per_token": with_view.coef["a"],
+                                   "seconds_per_token_per_context_token": with_view.coef["b"],
+                                   "seconds_per_context_token": with_view.coef["c"],
+                                   "seconds_per_segment": with_view.coef["d"], "segments": 7}
 
 
 def test_the_prefill_fit_puts_everything_on_tokens_until_contexts_differ_and_never_goes_negative():
     fit = PrefillCost()
     assert fit.predict(64, 64) is None
     fit.observe(512, 512, 0.05)
-    fit.observe(256, 600, 0.025)
-    assert fit.b == 0 and fit.a == pytest.approx(1e-4, rel=0.05)
-    # Segments at long context measured faster than at short ones (noise): no negative context term.
+    fit.observe(256, 600, 0.025)  # the ends are too close to tell a context term: all on a
+    assert fit.coef["b"] == fit.coef["c"] == fit.coef["d"] == 0 and fit.coef["a"] == pytest.approx(1e-4, rel=0.05)
+    # Segments at long context measured faster than at short ones (noise): no negative term.
     fit.observe(64, 16384, 0.001)
     fit.observe(64, 8192, 0.002)
-    assert fit.a >= 0 and fit.b >= 0 and fit.predict(64, 16384) > 0
+    assert min(fit.coef.values()) >= 0 and fit.predict(64, 16384) > 0
     fit.observe(0, 10, 1.0)  # says nothing: ignored
     fit.observe(10, 20, 0.0)
     assert len(fit.segments) == 4

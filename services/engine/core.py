@@ -315,9 +315,7 @@ class Engine:
             begin = time.perf_counter()
             logits = self.runner.prefill(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed,
                                          seq.pages, want)
-            # Timed to its logits or, without them, its last layer's latents (short by that layer's attention
-            # and MoE, which the next step then waits for): the cost model that sizes segments learns from it.
-            jax.block_until_ready(logits if want else self.latents.layers[-1])
+            jax.block_until_ready(logits)  # timed to its end: the cost model that sizes segments learns from it
             self.cost.prefill.observe(n, seq.computed + n, time.perf_counter() - begin)
             seq.computed += n
             self.metrics.prefill_tokens.labels("computed").inc(n)

@@ -2,10 +2,11 @@
 prefill segment by time instead of by a fixed token count. Numbers in, numbers out: the engine times its
 steps and feeds the seconds here; nothing in this file reads a clock, so tests feed it chosen numbers.
 
-A prefill segment of n tokens ending at position `end` costs t ~ a*n + b*n*end: every token goes through
-the projections and the MoE (a*n), and attends over a view of about `end` latents (b*n*end: the paged
-runner gathers and reads the whole prefix for every segment). At 16K context the second term dominates, so
-a fixed 256-token segment there takes many decode steps' time; at short contexts it is cheap.
+A prefill segment of n tokens ending at position `end` costs t ~ a*n + b*n*end + c*end + d: every token goes
+through the projections and the MoE (a*n) and attends over a view of about `end` latents (b*n*end); every
+segment, whatever its n, gathers (and in the expanded form expands) the whole prefix's view once per layer
+(c*end) and dispatches its layers (d). At 16K context the end terms dominate, so a fixed 256-token segment
+there takes many decode steps' time; at short contexts it is cheap.
 """
 from __future__ import annotations
 
@@ -13,54 +14,60 @@ from collections import deque
 from statistics import median
 
 import numpy as np
+from scipy.optimize import nnls  # scipy comes with jax
 
-PREFILL_WINDOW = 64  # segments the fit uses (the latest): old enough to span contexts, recent enough to track
+PREFILL_WINDOW = 16  # segments per size bucket the fit uses (the latest of each size, so that the sizes
+# not chosen lately, such as the solo segments, still tell the per-token terms from the per-segment ones)
 DECODE_WINDOW = 9  # decode steps per batch bucket; the median ignores a step that compiled a new shape
-SPREAD = 1.5  # the context term is fitted only once the window's segment ends differ by this factor
+SPREAD = 1.5  # a term is fitted only once the window's segments vary enough (in end, in n) to tell it apart
 
 
 class PrefillCost:
-    """t(n, end) = a*n + b*n*end seconds, least squares over the latest segments on relative error
-    (segments range from milliseconds to seconds; relative error also keeps one slow outlier, such as a
-    step that compiled, from dominating). Until the window's ends differ enough to tell a from b, the
-    whole cost is put on a (b = 0). Coefficients are never negative."""
+    """t(n, end) = a*n + b*n*end + c*end + d seconds, non-negative least squares over the latest segments of
+    each size on relative error (segments range from milliseconds to seconds; relative error also keeps one
+    slow outlier, such as a step that compiled, from dominating). Terms join as the window can tell them apart:
+    a always; b once the segments' ends differ by SPREAD; c and d once their sizes n differ by SPREAD too
+    (with one n, c*end is b*n*end and d is a*n)."""
 
     def __init__(self, window: int = PREFILL_WINDOW):
-        self.segments: deque[tuple[int, int, float]] = deque(maxlen=window)  # (n, end, seconds)
-        self.a: float | None = None  # seconds per token
-        self.b: float = 0.0  # seconds per token per token of context
+        self.window = window
+        self.by_size: dict[int, deque[tuple[int, int, float]]] = {}  # power-of-two n -> (n, end, seconds)
+        self.coef: dict[str, float] | None = None  # a, b, c, d
 
     def observe(self, n: int, end: int, seconds: float) -> None:
         if n < 1 or end < n or not seconds > 0:
             return  # a clock glitch or an empty segment says nothing about cost
-        self.segments.append((n, end, seconds))
+        size = 1 << max(0, (n - 1).bit_length())
+        self.by_size.setdefault(size, deque(maxlen=self.window)).append((n, end, seconds))
         self._fit()
+
+    @property
+    def segments(self) -> list[tuple[int, int, float]]:
+        return [segment for kept in self.by_size.values() for segment in kept]
 
     def predict(self, n: int, end: int) -> float | None:
         """Seconds for n tokens ending at `end`; None before any segment was measured."""
-        return None if self.a is None else self.a * n + self.b * n * end
+        k = self.coef
+        return None if k is None else k["a"] * n + k["b"] * n * end + k["c"] * end + k["d"]
 
     def _fit(self) -> None:
         rows = np.array(self.segments, np.float64)  # (S, 3): n, end, seconds
         n_S, end_S, t_S = rows[:, 0], rows[:, 1], rows[:, 2]
-        a_only = float(np.sum(n_S / t_S) / np.sum((n_S / t_S) ** 2))  # relative least squares of t = a*n
-        if end_S.max() < SPREAD * end_S.min():
-            self.a, self.b = a_only, 0.0
-            return
-        X_S2 = np.stack([n_S, n_S * end_S], axis=1) / t_S[:, None]  # each row divided by its t: relative error
-        (a, b), *_ = np.linalg.lstsq(X_S2, np.ones_like(t_S), rcond=None)
-        if a >= 0 and b >= 0:
-            self.a, self.b = float(a), float(b)
-            return
-        # A negative coefficient: the better of the two one-term fits.
-        nb_S = n_S * end_S / t_S
-        b_only = float(np.sum(nb_S) / np.sum(nb_S ** 2))
-        err_a = np.sum((a_only * n_S / t_S - 1) ** 2)
-        err_b = np.sum((b_only * nb_S - 1) ** 2)
-        self.a, self.b = (a_only, 0.0) if err_a <= err_b else (0.0, b_only)
+        terms = {"a": n_S}
+        if end_S.max() >= SPREAD * end_S.min():
+            terms["b"] = n_S * end_S
+            if n_S.max() >= SPREAD * n_S.min():
+                terms |= {"c": end_S, "d": np.ones_like(n_S)}
+        X_SK = np.stack(list(terms.values()), axis=1) / t_S[:, None]  # each row over its t: relative error
+        scale_K = X_SK.max(axis=0)  # columns of one magnitude, for the solver
+        k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
+        fitted = dict(zip(terms, (k_K / scale_K).tolist()))
+        self.coef = {name: fitted.get(name, 0.0) for name in "abcd"}  # replaced whole: stats() reads it
 
     def summary(self) -> dict:
-        return {"seconds_per_token": self.a, "seconds_per_token_per_context_token": self.b,
+        k = self.coef or {}
+        return {"seconds_per_token": k.get("a"), "seconds_per_token_per_context_token": k.get("b"),
+                "seconds_per_context_token": k.get("c"), "seconds_per_segment": k.get("d"),
                 "segments": len(self.segments)}
 
 
