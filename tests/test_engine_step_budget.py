@@ -37,7 +37,8 @@ def sequence(prompt: int, generated: int = 0) -> Sequence:
 
 def scheduler(**policy) -> Scheduler:
     settings = {"block_tokens": 64, "max_batch": 8, "step_tokens": 256, "solo_tokens": 2048,
-                "batch_invariant": False} | policy
+                "batch_invariant": False,
+                "prefill_step_ratio": 2.0} | policy
     return Scheduler(PagePool(2048), SchedulePolicy(**settings))
 
 

@@ -8,8 +8,9 @@ step costs (step_cost.py), the segments are sized so that their predicted time i
 `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
 over the whole prefix) and many at short ones; at least one block, at most `solo_tokens`. Without costs
 yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
-takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one. Admission is by free pages; when a decoding sequence needs a page and none is
-left, the youngest running sequence is preempted (its pages freed, its blocks kept hot, requeued).
+takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
+Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
+running sequence is preempted (its pages freed, its blocks kept hot, requeued).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class SchedulePolicy:
     step_tokens: int  # tokens per step while anything decodes, with no costs measured yet or batch-invariant
     solo_tokens: int  # prefill tokens per step while nothing decodes; the cap of a time-sized segment
     batch_invariant: bool  # prefill segments on fixed boundaries, whatever else runs
-    prefill_step_ratio: float = 2.0  # a step's prefill segments take about this times its decode's time
+    prefill_step_ratio: float  # a step's prefill segments take about this times its decode's time
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "max_batch", "step_tokens", "solo_tokens"):
