@@ -268,9 +268,10 @@ class PagedRunner:
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits[:n]
 
-    def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array | None:
+    def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
-        writes their latents into `pages`. Returns the logits (V,) at the last position if asked."""
+        writes their latents into `pages`. Returns the logits (V,) at the last position if asked, else the
+        last chunk's output (T, D): dispatched, not waited for; a caller that times the segment blocks on it."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
@@ -302,6 +303,6 @@ class PagedRunner:
             chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + i * T), views[i],
                               expanded) for i in range(count)]
         if not want_logits:
-            return None
+            return chunks[-1]
         graphdef, state = self.dense.head
         return _head(graphdef, state, chunks[-1], np.int32((n - 1) - (count - 1) * T))

@@ -42,7 +42,12 @@ class EngineConfig:
         "help": "sequences running at once (decoding, prefilling or loading a hit); more wait in the queue"})
     max_queue: int = field(default=256, metadata={"help": "requests waiting beyond that; more get 503"})
     step_tokens: int = field(default=256, metadata={
-        "help": "tokens per model step while sequences decode (their decode tokens + prefill chunks)"})
+        "help": "tokens per model step while sequences decode (their decode tokens + prefill chunks) before "
+                "step costs are measured, and the fixed prefill cut in --batch-invariant mode"})
+    prefill_step_ratio: float = field(default=2.0, metadata={
+        "help": "while sequences decode, each step's prefill segments take about this many times the decode "
+                "step's time (predicted from measured steps: fewer tokens at long contexts; at least one block, "
+                "at most --solo-tokens)"})
     solo_tokens: int = field(default=2048, metadata={
         "help": "prefill tokens per step while nothing decodes (a newcomer waits at most one such step)"})
     pool_tokens: int = field(default=0, metadata={
@@ -84,6 +89,8 @@ class EngineConfig:
                      "save_every_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.prefill_step_ratio > 0:
+            raise ValueError(f"prefill_step_ratio must be > 0, got {self.prefill_step_ratio}")
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.max_queue < 0:

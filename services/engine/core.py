@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+import jax
 import numpy as np
 
 from kvstore import extend_block_hashes
@@ -36,6 +37,7 @@ from services.engine.engine_metrics import EngineMetrics
 from services.engine.pool import PagePool
 from services.engine.scheduler import Admission, SchedulePolicy, Scheduler, Step
 from services.engine.sequence import Job, Sequence, Status
+from services.engine.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,9 @@ class Engine:
                                   decode_attention_dtype="float32" if cfg.dtype == "float32" else None)
         self.pages = PagePool(num_pages, cfg.memory_tier)
         self.scheduler = Scheduler(self.pages, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens,
-                                                              cfg.solo_tokens, cfg.batch_invariant))
+                                                              cfg.solo_tokens, cfg.batch_invariant,
+                                                              cfg.prefill_step_ratio))
+        self.cost = StepCost()  # measured step costs (model thread); size prefill segments by time
         self.stops = {model_cfg.eos_token_id}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.saves: set[concurrent.futures.Future] = set()  # saves handed to the event loop, not yet done
@@ -161,6 +165,7 @@ class Engine:
                 "loading": len(s.loading), "pending_saves": len(self.saves),
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_batch": self.cfg.max_batch,
                 "batch_invariant": self.cfg.batch_invariant,
+                "step_cost": {**self.cost.summary(), "prefill_step_ratio": self.cfg.prefill_step_ratio},
                 "pool": {"pages": self.pages.usable, "page_tokens": self.B, "tokens": self.pages.usable * self.B,
                          "bytes": self.latents.bytes, "owned_pages": self.pages.owned_pages,
                          "hot_pages": self.pages.hot_pages, "evictions": self.pages.evictions},
@@ -180,7 +185,7 @@ class Engine:
                 for admission in self.scheduler.admit():
                     self._admitted(admission)
                 self._poll_loads()
-                step = self.scheduler.schedule()
+                step = self.scheduler.schedule(self.cost)
                 if step.decode or step.prefill:
                     self._step(step)
                 elif self.scheduler.loading:
@@ -294,8 +299,10 @@ class Engine:
             rows = [DecodeRow(seq.tokens[-1], seq.computed, seq.pages) for seq in decode]
             logits = self.runner.decode(rows)  # dispatched: grammar masks are computed while it runs
             taken = self._sample(logits, decode)
+            elapsed = time.perf_counter() - begin
+            self.cost.decode.observe(len(decode), elapsed)
             self.metrics.decode_batch.observe(len(decode))
-            self.metrics.decode_seconds.inc(time.perf_counter() - begin)
+            self.metrics.decode_seconds.inc(elapsed)
             host = np.asarray(logits) if any(s.job.digest for s in decode) else None
             for i, (seq, (token, logprobs)) in enumerate(zip(decode, taken)):
                 seq.computed += 1
@@ -305,8 +312,11 @@ class Engine:
             if seq.status is not Status.RUNNING:
                 continue  # preempted above to make room for a decode
             want = seq.generated == 0 and seq.computed + n == seq.target
+            begin = time.perf_counter()
             logits = self.runner.prefill(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed,
                                          seq.pages, want)
+            jax.block_until_ready(logits)  # timed to its end: the cost model that sizes segments learns from it
+            self.cost.prefill.observe(n, seq.computed + n, time.perf_counter() - begin)
             seq.computed += n
             self.metrics.prefill_tokens.labels("computed").inc(n)
             self._publish(seq)
@@ -513,7 +523,9 @@ class Engine:
             self.runner.prefill(long, 0, pages, True)
             begin = time.perf_counter()
             np.asarray(self.runner.prefill(long, 0, pages, True))
-            self.prefill_tokens_per_s = n / (time.perf_counter() - begin)
+            elapsed = time.perf_counter() - begin
+            self.prefill_tokens_per_s = n / elapsed
+            self.cost.prefill.observe(n, n, elapsed)  # the seed; segments among decoding streams refine it
             # Every decode batch size at short contexts, and their sampler shapes: a first compile stalls
             # every running stream for seconds (once per machine: the compilation cache keeps them).
             sizes = [1 << i for i in range(_pow2(self.cfg.max_batch).bit_length())]

@@ -3,10 +3,14 @@
 A waiting queue (FCFS; preempted sequences go back to its front), a loading set (pages granted, disk
 hit being read) and a running list (in admission order). Every step runs one batch: a decode token
 of every running sequence whose prefill is done, plus prefill segments of running sequences up to a
-token budget, so a long prefill never stops other streams' decoding. With nothing to decode, a
-prefill may take a larger segment (fewer passes over its prefix), still bounded so a newcomer waits
-at most one segment. Admission is by free pages; when a decoding sequence needs a page and none is
-left, the youngest running sequence is preempted (its pages freed, its blocks kept hot, requeued).
+budget, so a long prefill never stops other streams' decoding. The budget is time: given the measured
+step costs (step_cost.py), the segments are sized so that their predicted time is about
+`prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
+over the whole prefix) and many at short ones; at least one block, at most `solo_tokens`. Without costs
+yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
+takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
+Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
+running sequence is preempted (its pages freed, its blocks kept hot, requeued).
 """
 from __future__ import annotations
 
@@ -16,20 +20,33 @@ from typing import NamedTuple
 
 from services.engine.pool import PagePool
 from services.engine.sequence import Sequence, Status
+from services.engine.step_cost import StepCost
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulePolicy:
     block_tokens: int
     max_batch: int  # sequences running (prefilling, decoding or loading) at once
-    step_tokens: int  # tokens per step (decode tokens + prefill) while anything decodes
-    solo_tokens: int  # prefill tokens per step while nothing decodes
+    step_tokens: int  # tokens per step while anything decodes, with no costs measured yet or batch-invariant
+    solo_tokens: int  # prefill tokens per step while nothing decodes; the cap of a time-sized segment
     batch_invariant: bool  # prefill segments on fixed boundaries, whatever else runs
+    prefill_step_ratio: float  # a step's prefill segments take about this times its decode's time
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "max_batch", "step_tokens", "solo_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.prefill_step_ratio > 0:
+            raise ValueError(f"prefill_step_ratio must be > 0, got {self.prefill_step_ratio}")
+
+    def segment_sizes(self) -> list[int]:
+        """The sizes a time-sized segment takes, smallest first: the block times powers of two up to
+        solo_tokens, and solo_tokens (the runner pads a segment to a power of two, so sizes between would be
+        paid for anyway, and compile count stays small)."""
+        sizes = [min(self.block_tokens, self.solo_tokens)]
+        while sizes[-1] * 2 <= self.solo_tokens:
+            sizes.append(sizes[-1] * 2)
+        return sizes if sizes[-1] == self.solo_tokens else [*sizes, self.solo_tokens]
 
 
 class Admission(NamedTuple):
@@ -86,9 +103,14 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def schedule(self) -> Step:
+    def schedule(self, cost: StepCost | None = None) -> Step:
+        """The next step's batch; `cost` (measured step costs) sizes the prefill segments by time while
+        sequences decode."""
         decode = [s for s in self.running if not s.prefilling]
         p = self.policy
+        decode_s = cost.decode_s(len(decode)) if cost is not None and decode else None
+        if decode_s is not None and not p.batch_invariant and cost.prefill_s(1, 1) is not None:
+            return Step(decode, self._timed_prefill(cost, p.prefill_step_ratio * decode_s))
         budget = (p.step_tokens - len(decode)) if decode else p.solo_tokens
         prefill = []
         for seq in self.running:
@@ -103,6 +125,28 @@ class Scheduler:
             prefill.append((seq, n))
             budget -= n
         return Step(decode, prefill)
+
+    def _timed_prefill(self, cost: StepCost, seconds: float) -> list[tuple[Sequence, int]]:
+        """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
+        admission order the largest segment size that fits what is left (its rest of the prompt if that fits);
+        the first always gets at least the smallest size, so a prefill progresses whatever the decode costs."""
+        sizes = self.policy.segment_sizes()
+        prefill = []
+        for seq in self.running:
+            if not seq.prefilling:
+                continue
+            left = seq.target - seq.computed
+            fitting = [n for n in dict.fromkeys([*(min(n, left) for n in sizes)])
+                       if cost.prefill_s(n, seq.computed + n) <= seconds]
+            if fitting:
+                n = fitting[-1]
+            elif not prefill:
+                n = min(sizes[0], left)
+            else:
+                continue
+            prefill.append((seq, n))
+            seconds -= cost.prefill_s(n, seq.computed + n)
+        return prefill
 
     def youngest(self) -> Sequence | None:
         return self.running[-1] if self.running else None

@@ -1,0 +1,122 @@
+"""What a model step costs, fitted online from the engine's measured steps, so the scheduler can size a
+prefill segment by time instead of by a fixed token count. Numbers in, numbers out: the engine times its
+steps and feeds the seconds here; nothing in this file reads a clock, so tests feed it chosen numbers.
+
+A prefill segment of n tokens ending at position `end` costs t ~ a*n + b*n*end + c*end + d: every token goes
+through the projections and the MoE (a*n) and attends over a view of about `end` latents (b*n*end); every
+segment, whatever its n, gathers (and in the expanded form expands) the whole prefix's view once per layer
+(c*end) and dispatches its layers (d). At 16K context the end terms dominate, so a fixed 256-token segment
+there takes many decode steps' time; at short contexts it is cheap.
+"""
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+import numpy as np
+from scipy.optimize import nnls  # scipy comes with jax
+
+PREFILL_WINDOW = 16  # segments per size bucket the fit uses (the latest of each size, so that the sizes
+# not chosen lately, such as the solo segments, still tell the per-token terms from the per-segment ones)
+DECODE_WINDOW = 9  # decode steps per batch bucket; the median ignores a step that compiled a new shape
+SPREAD = 1.5  # a term is fitted only once the window's segments vary enough (in end, in n) to tell it apart
+
+
+class PrefillCost:
+    """t(n, end) = a*n + b*n*end + c*end + d seconds, non-negative least squares over the latest segments of
+    each size on relative error (segments range from milliseconds to seconds; relative error also keeps one
+    slow outlier, such as a step that compiled, from dominating). Terms join as the window can tell them apart:
+    a always; b once the segments' ends differ by SPREAD; c and d once their sizes n differ by SPREAD too
+    (with one n, c*end is b*n*end and d is a*n)."""
+
+    def __init__(self, window: int = PREFILL_WINDOW):
+        self.window = window
+        self.by_size: dict[int, deque[tuple[int, int, float]]] = {}  # power-of-two n -> (n, end, seconds)
+        self.coef: dict[str, float] | None = None  # a, b, c, d
+
+    def observe(self, n: int, end: int, seconds: float) -> None:
+        if n < 1 or end < n or not seconds > 0:
+            return  # a clock glitch or an empty segment says nothing about cost
+        size = 1 << max(0, (n - 1).bit_length())
+        self.by_size.setdefault(size, deque(maxlen=self.window)).append((n, end, seconds))
+        self._fit()
+
+    @property
+    def segments(self) -> list[tuple[int, int, float]]:
+        return [segment for kept in self.by_size.values() for segment in kept]
+
+    def predict(self, n: int, end: int) -> float | None:
+        """Seconds for n tokens ending at `end`; None before any segment was measured."""
+        k = self.coef
+        return None if k is None else k["a"] * n + k["b"] * n * end + k["c"] * end + k["d"]
+
+    def _fit(self) -> None:
+        rows = np.array(self.segments, np.float64)  # (S, 3): n, end, seconds
+        n_S, end_S, t_S = rows[:, 0], rows[:, 1], rows[:, 2]
+        terms = {"a": n_S}
+        if end_S.max() >= SPREAD * end_S.min():
+            terms["b"] = n_S * end_S
+            if n_S.max() >= SPREAD * n_S.min():
+                terms |= {"c": end_S, "d": np.ones_like(n_S)}
+        X_SK = np.stack(list(terms.values()), axis=1) / t_S[:, None]  # each row over its t: relative error
+        scale_K = X_SK.max(axis=0)  # columns of one magnitude, for the solver
+        k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
+        fitted = dict(zip(terms, (k_K / scale_K).tolist()))
+        self.coef = {name: fitted.get(name, 0.0) for name in "abcd"}  # replaced whole: stats() reads it
+
+    def summary(self) -> dict:
+        k = self.coef or {}
+        return {"seconds_per_token": k.get("a"), "seconds_per_token_per_context_token": k.get("b"),
+                "seconds_per_context_token": k.get("c"), "seconds_per_segment": k.get("d"),
+                "segments": len(self.segments)}
+
+
+class DecodeCost:
+    """Seconds of a decode step by batch size (power-of-two buckets, the shapes the runner compiles):
+    the median of the bucket's latest steps; a bucket not seen yet takes the nearest seen one's."""
+
+    def __init__(self, window: int = DECODE_WINDOW):
+        self.window = window
+        self.steps: dict[int, deque[float]] = {}  # bucket -> seconds
+        self.medians: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, (batch - 1).bit_length())
+
+    def observe(self, batch: int, seconds: float) -> None:
+        if batch < 1 or not seconds > 0:
+            return
+        key = self.bucket(batch)
+        steps = self.steps.setdefault(key, deque(maxlen=self.window))
+        steps.append(seconds)
+        self.medians = {**self.medians, key: median(steps)}  # replaced whole: stats() reads it from another thread
+
+    def predict(self, batch: int) -> float | None:
+        medians = self.medians
+        if not medians:
+            return None
+        key = self.bucket(batch)
+        nearest = min(medians, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))  # a tie: the smaller
+        return medians.get(key, medians[nearest])
+
+    def summary(self) -> dict:
+        return {str(k): v for k, v in sorted(self.medians.items())}
+
+
+class StepCost:
+    """The two models together, as the scheduler asks them: what would this decode batch cost, and
+    this prefill segment."""
+
+    def __init__(self):
+        self.prefill = PrefillCost()
+        self.decode = DecodeCost()
+
+    def decode_s(self, batch: int) -> float | None:
+        return self.decode.predict(batch)
+
+    def prefill_s(self, n: int, end: int) -> float | None:
+        return self.prefill.predict(n, end)
+
+    def summary(self) -> dict:
+        return {"prefill": self.prefill.summary(), "decode_step_s_by_batch": self.decode.summary()}

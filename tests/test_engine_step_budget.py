@@ -1,0 +1,172 @@
+"""Sizing prefill segments by time: the step cost model (fed chosen numbers, never timed here) and the
+scheduler's choice of segment tokens while other sequences decode."""
+import numpy as np
+import pytest
+
+from kvstore import miss
+from model.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.pool import PagePool
+from services.engine.scheduler import SchedulePolicy, Scheduler
+from services.engine.sequence import Job, Sequence
+from services.engine.step_cost import DecodeCost, PrefillCost, StepCost
+
+A, B_CTX = 1e-4, 1e-8  # seconds per token, seconds per token per context token (about mini on a CPU)
+
+
+def cost_of(n: int, end: int) -> float:
+    return A * n + B_CTX * n * end
+
+
+def measured(decode_s: float | None = 0.02) -> StepCost:
+    """A cost model fed segments at short and long contexts (exactly `cost_of`) and decode steps."""
+    cost = StepCost()
+    for n, end in [(512, 512), (256, 768), (256, 4096), (128, 8192), (64, 16384), (128, 16448)]:
+        cost.prefill.observe(n, end, cost_of(n, end))
+    if decode_s is not None:
+        for _ in range(3):
+            cost.decode.observe(2, decode_s)
+    return cost
+
+
+def sequence(prompt: int, generated: int = 0) -> Sequence:
+    job = Job(f"r{prompt}-{generated}", np.zeros(prompt, np.int64), "t", "5a" * 16, miss(),
+              SamplingParams(max_tokens=100), "default")
+    return Sequence(job, 0, None, None, tokens=[1] * (prompt + generated), generated=generated)
+
+
+def scheduler(**policy) -> Scheduler:
+    settings = {"block_tokens": 64, "max_batch": 8, "step_tokens": 256, "solo_tokens": 2048,
+                "batch_invariant": False,
+                "prefill_step_ratio": 2.0} | policy
+    return Scheduler(PagePool(2048), SchedulePolicy(**settings))
+
+
+def running(s: Scheduler, *prefill: tuple[int, int], decoding: int = 2) -> list[Sequence]:
+    """`decoding` sequences past their prefill, then one prefilling sequence per (prompt, computed)."""
+    for i in range(decoding):
+        s.add(sequence(20 + i, generated=1))
+    for prompt, _ in prefill:
+        s.add(sequence(prompt))
+    for admission in s.admit():
+        seq = admission.seq
+        s.start_running(seq)
+        seq.computed = seq.target if seq.generated else seq.computed
+    seqs = [seq for seq in s.running if seq.generated == 0]
+    for seq, (_, computed) in zip(seqs, prefill):
+        seq.computed = computed
+    return seqs
+
+
+def test_the_prefill_fit_recovers_its_terms_from_segments_of_several_sizes_and_contexts():
+    fit = measured().prefill
+    assert fit.coef == pytest.approx({"a": A, "b": B_CTX, "c": 0, "d": 0}, rel=1e-6, abs=1e-12)
+    assert fit.predict(256, 16384) == pytest.approx(cost_of(256, 16384))
+    # With a per-segment view gather (c*end) and dispatch (d) as well:
+    c, d = 2e-7, 3e-3
+    with_view = PrefillCost()
+    for n, end in [(512, 512), (64, 600), (256, 4096), (64, 4100), (128, 8192), (64, 16384), (256, 16448)]:
+        with_view.observe(n, end, cost_of(n, end) + c * end + d)
+    assert with_view.coef == pytest.approx({"a": A, "b": B_CTX, "c": c, "d": d}, rel=1e-5)
+    assert with_view.summary() == {"seconds_per_token": with_view.coef["a"],
+                                   "seconds_per_token_per_context_token": with_view.coef["b"],
+                                   "seconds_per_context_token": with_view.coef["c"],
+                                   "seconds_per_segment": with_view.coef["d"], "segments": 7}
+
+
+def test_the_prefill_fit_puts_everything_on_tokens_until_contexts_differ_and_never_goes_negative():
+    fit = PrefillCost()
+    assert fit.predict(64, 64) is None
+    fit.observe(512, 512, 0.05)
+    fit.observe(256, 600, 0.025)  # the ends are too close to tell a context term: all on a
+    assert fit.coef["b"] == fit.coef["c"] == fit.coef["d"] == 0 and fit.coef["a"] == pytest.approx(1e-4, rel=0.05)
+    # Segments at long context measured faster than at short ones (noise): no negative term.
+    fit.observe(64, 16384, 0.001)
+    fit.observe(64, 8192, 0.002)
+    assert min(fit.coef.values()) >= 0 and fit.predict(64, 16384) > 0
+    fit.observe(0, 10, 1.0)  # says nothing: ignored
+    fit.observe(10, 20, 0.0)
+    assert len(fit.segments) == 4
+
+
+def test_decode_cost_is_the_median_per_batch_bucket_so_a_compiling_step_does_not_count():
+    decode = DecodeCost()
+    assert decode.predict(4) is None
+    for seconds in (3.0, 0.02, 0.021, 0.019):  # the first step of a shape compiled
+        decode.observe(3, seconds)
+    assert decode.predict(4) == pytest.approx(0.0205)  # 3 and 4 share the bucket of 4
+    assert decode.predict(1) == pytest.approx(0.0205)  # nearest bucket seen
+    decode.observe(16, 0.05)
+    assert decode.predict(32) == 0.05 and decode.predict(8) == pytest.approx(0.0205)  # a tie: the smaller
+
+
+def test_a_long_context_segment_gets_fewer_tokens_than_a_short_one():
+    cost = measured(decode_s=0.02)  # a step's prefill gets about 2 x 0.02 s
+    s = scheduler()
+    short, long = running(s, (4000, 0), (20000, 16384))
+    step = s.schedule(cost)
+    assert len(step.decode) == 2
+    # At context 0, 256 tokens take 26 ms (512: 54 ms); at 16K, 128 take 34 ms (256: 67 ms). The long
+    # one gets what is left of the 40 ms after the short one's 26: 64 tokens (17 ms) do not fit either.
+    assert step.prefill == [(short, 256)]
+    s2 = scheduler()
+    long, = running(s2, (20000, 16384))
+    assert s2.schedule(cost).prefill == [(long, 128)]
+    assert all(cost.prefill_s(n, long.computed + n) <= 2 * 0.02 for _, n in s2.schedule(cost).prefill)
+
+
+def test_a_segment_never_goes_below_one_block_however_cheap_decoding_is():
+    cost = measured(decode_s=1e-6)
+    s = scheduler()
+    first, second = running(s, (20000, 16384), (3000, 0))
+    assert s.schedule(cost).prefill == [(first, 64)]  # the oldest progresses; the other waits
+    s2 = scheduler()
+    tail, = running(s2, (16400, 16384))
+    assert s2.schedule(cost).prefill == [(tail, 16)]  # the rest of a prompt, shorter than a block
+
+
+def test_a_segment_never_goes_above_solo_tokens_however_slow_decoding_is():
+    cost = measured(decode_s=100.0)
+    s = scheduler(solo_tokens=1024)
+    first, second = running(s, (20000, 0), (500, 0))
+    assert s.schedule(cost).prefill == [(first, 1024), (second, 500)]
+    s2 = scheduler(solo_tokens=1000)  # not a power of two times the block: the cap still holds
+    only, = running(s2, (20000, 0))
+    assert s2.schedule(cost).prefill == [(only, 1000)]
+
+
+def test_the_ratio_scales_the_segment():
+    cost = measured(decode_s=0.02)
+    sizes = []
+    for ratio in (1.0, 2.0, 8.0):
+        s = scheduler(prefill_step_ratio=ratio)
+        seq, = running(s, (40000, 0))
+        (_, n), = s.schedule(cost).prefill
+        sizes.append(n)
+    assert sizes == [128, 256, 1024]
+
+
+def test_batch_invariant_cuts_ignore_the_costs():
+    for cost in (None, measured(decode_s=1e-6), measured(decode_s=100.0)):
+        s = scheduler(batch_invariant=True, step_tokens=256)
+        first, second = running(s, (3000, 100), (3000, 0))
+        # Segments end at the next multiple of step_tokens; the step's token budget (256 - 2 decode tokens)
+        # is spent by the first, then the second's fixed 256.
+        assert s.schedule(cost).prefill == [(first, 156), (second, 256)]
+
+
+def test_without_decoding_or_without_measured_costs_the_token_budgets_apply():
+    s = scheduler()
+    alone, = running(s, (5000, 0), decoding=0)
+    assert s.schedule(measured(decode_s=0.02)).prefill == [(alone, 2048)]  # solo_tokens
+    s2 = scheduler()
+    seq, = running(s2, (5000, 0))
+    assert s2.schedule(measured(decode_s=None)).prefill == [(seq, 254)]  # step_tokens - 2 decode tokens
+    assert s2.schedule(None).prefill == [(seq, 254)]
+
+
+def test_a_ratio_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="prefill_step_ratio"):
+        EngineConfig(prefill_step_ratio=0)
+    with pytest.raises(ValueError, match="prefill_step_ratio"):
+        SchedulePolicy(64, 8, 256, 2048, False, -1.0)
