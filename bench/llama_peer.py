@@ -12,8 +12,9 @@ Steps (each cached under --out):
   1. transformers' DeepseekV3ForCausalLM with the preset's shapes and seed-0 random weights
      (bench.ttft_transformers.build_same_weights, as the parity and TTFT benchmarks use), saved with the
      packaged DeepSeek-V3 tokenizer files; our converter turns it into DeepInfer's model directory;
-  2. llama.cpp's convert_hf_to_gguf.py turns the same checkpoint into a GGUF at --dtype (bf16 by default, as
-     DeepInfer serves it; f32 for DeepInfer's --dtype float32), and DeepInfer serves at the same dtype;
+  2. llama.cpp's convert_hf_to_gguf.py turns the same checkpoint into a GGUF at --gguf-type (bf16, the
+     dtype DeepInfer serves at by default, or f32: llama.cpp's faster choice for batches on this CPU);
+     DeepInfer serves at --dtype;
   3. llama-server serves it (-np parallel slots, -t threads, continuous batching on) while serve_bench
      runs its phases on DeepInfer (--model-dir of step 1) and then the same sweep against the peer.
 """
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=16, help="llama-server -np (slots)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--slot-context", type=int, default=4096, help="context per slot (-c = this x --parallel)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="both servers' weights: the GGUF's outtype and DeepInfer's --dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="DeepInfer's serving dtype")
+    p.add_argument("--gguf-type", default="bf16", choices=["bf16", "f32"], help="the peer's weights")
     args, serve_args = p.parse_known_args(argv)
     if not args.llama_dir:
         raise SystemExit("give --llama-dir (llama.cpp's source dir, built) or set LLAMA_CPP_DIR")
@@ -130,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{binary} is missing: build llama.cpp first (see this module's docstring)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    outtype = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
-    ours, gguf = prepare(args.preset, out, llama_dir, outtype)
+    ours, gguf = prepare(args.preset, out, llama_dir, args.gguf_type)
     from bench import serve_bench
 
     with LlamaServer(binary, gguf, args.parallel, args.threads, args.slot_context * args.parallel,
                      args.preset) as url:
-        theirs, mine = same_weights(url, ours, args.dtype, [1, 2, 3, 4, 5])
+        # Checked against our runner at the peer's dtype: greedy tokens of two dtypes may differ.
+        theirs, mine = same_weights(url, ours, {"bf16": "bfloat16", "f32": "float32"}[args.gguf_type], [1, 2, 3, 4, 5])
         if theirs != mine:
             raise SystemExit(f"the peer's greedy tokens {theirs} differ from ours {mine}: not the same weights")
         say(f"same weights: both sample {mine} greedily after [1, 2, 3, 4, 5]")

@@ -249,7 +249,9 @@ class PagedRunner:
         return table
 
     def decode(self, rows: list[DecodeRow]) -> jax.Array:
-        """Feeds one token per sequence; returns their logits (len(rows), V) on the device."""
+        """Feeds one token per sequence; returns their logits on the device, (B, V) with B >= len(rows): the
+        rows past len(rows) are the padded batch's (left there: slicing them off is an eager copy, and a
+        compile per batch size, every step)."""
         n = len(rows)
         B = max(self.fixed_batch, _pow2(n))
         view = view_bucket(max(r.position + 1 for r in rows), self.page)
@@ -266,7 +268,7 @@ class PagedRunner:
                                         self._absorbs, head_state, self.pool.layers, tokens, positions, tables,
                                         self.decode_attention_dtype)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
-        return logits[:n]
+        return logits
 
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);

@@ -183,12 +183,15 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
     """One token per row of a (B, V) logits batch, each row with its own parameters, on the device.
 
     The one sampler interface of the engine. Rows are padded to a power of two (and penalty counts and
-    bias lists to powers of two) so batch sizes share compiled shapes. A batch in which no row uses
-    penalties, bias, a grammar mask or logprobs takes the plain paths (greedy: one argmax)."""
+    bias lists to powers of two) so batch sizes share compiled shapes; logits may come with more rows
+    than `rows` (a padded decode batch's). A batch in which no row uses penalties, bias, a grammar mask or
+    logprobs takes the plain paths (greedy: one argmax)."""
     n = len(rows)
     padded = _pow2(n)
-    if padded != n:
-        logits_BV = jnp.pad(logits_BV, ((0, padded - n), (0, 0)))
+    if logits_BV.shape[0] < padded:
+        logits_BV = jnp.pad(logits_BV, ((0, padded - logits_BV.shape[0]), (0, 0)))
+    elif logits_BV.shape[0] > padded:
+        logits_BV = logits_BV[:padded]
     none = [None] * n
     shaped = any(row.params.shapes_logits or row.allowed is not None or row.params.logprobs is not None
                  for row in rows)
