@@ -1,0 +1,62 @@
+"""The served model (model/serving.py): projections re-laid (out, in) at the serving dtype, the checkpoint
+untouched, and logits within bfloat16's tolerance of the checkpoint's own."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.config import preset
+from model.layers import Linear
+from model.runner import ModelRunner
+from model.serving import ServingLinear, serving_model
+from model.weights import init_model
+from services.engine.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return init_model(preset("tiny"))
+
+
+def test_float32_serving_of_a_float32_checkpoint_is_the_checkpoint_itself(checkpoint):
+    assert serving_model(checkpoint, "float32") is checkpoint
+
+
+def test_bfloat16_serving_relays_every_projection_and_leaves_the_checkpoint_as_it_was(checkpoint):
+    served = serving_model(checkpoint, "bfloat16")
+    layer, original = served.layers[1], checkpoint.layers[1]
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
+        linear = getattr(layer.attn, name)
+        kernel = getattr(original.attn, name).kernel[...]
+        assert isinstance(linear, ServingLinear) and isinstance(getattr(original.attn, name), Linear)
+        assert linear.weight[...].dtype == jnp.bfloat16 and linear.weight[...].shape == kernel.shape[::-1]
+        np.testing.assert_array_equal(np.asarray(linear.weight[...], np.float32),
+                                      np.asarray(kernel.T.astype(jnp.bfloat16), np.float32))
+    assert isinstance(served.head.lm_head, ServingLinear)
+    assert layer.attn.w_uk[...].dtype == jnp.bfloat16 and original.attn.w_uk[...].dtype == jnp.float32
+    assert layer.input_norm.weight[...] is original.input_norm.weight[...]  # shared, not copied
+
+
+def test_one_row_and_many_rows_give_the_same_row(checkpoint):
+    linear = serving_model(checkpoint, "bfloat16").head.lm_head
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.float32)
+    alone, together = np.asarray(linear(x[:1])), np.asarray(linear(x))
+    assert alone.shape == (1, linear.weight[...].shape[0]) and alone.dtype == np.float32
+    np.testing.assert_allclose(alone[0], together[0], rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_logits_stay_within_its_tolerance_of_the_checkpoints(checkpoint):
+    cfg = preset("tiny")
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
+    want = np.asarray(ModelRunner(checkpoint, cfg).prefill(tokens, reserve=1).logits, np.float32)
+    got = np.asarray(ModelRunner(serving_model(checkpoint, "bfloat16"), cfg).prefill(tokens, reserve=1).logits,
+                     np.float32)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 3e-2 * scale  # rounding each product's inputs to 8 bits
+    assert np.abs(got - want).max() > 0  # it did serve at another dtype
+
+
+def test_an_unknown_serving_dtype_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="serving dtype"):
+        serving_model(checkpoint, "float16")
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float32"):
+        EngineConfig(dtype="float16")
