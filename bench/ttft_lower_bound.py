@@ -15,6 +15,7 @@ import numpy as np
 
 from bench.kv_bench import dd_read_gbps, parallel_direct_read_gbps
 from model.runner import LatentCache, ModelRunner, enable_compilation_cache
+from model.serving import serving_model
 from model.weights import load_model
 
 
@@ -45,14 +46,16 @@ def raw_device(directory: Path, size_mib: int) -> RawDevice:
 
 
 def suffix_compute(model_dir: Path, lengths: list[int], suffix: int, repeats: int, chunk_tokens: int = 512,
-                   cache_dtype: str = "bfloat16", reserve: int = 1, progress=None) -> list[SuffixCompute]:
-    """Times runner.prefill(suffix, cache, start=P) as the engine calls it (reserve = max_tokens), after a
-    warm-up call that compiles the shapes. Latent values are random: compute time does not depend on them
-    (the presets this bench runs are dense)."""
+                   cache_dtype: str = "bfloat16", reserve: int = 1, progress=None,
+                   dtype: str = "bfloat16") -> list[SuffixCompute]:
+    """Times runner.prefill(suffix, cache, start=P) as the engine calls it (reserve = max_tokens), over the
+    model as the engine serves it (`dtype`, model/serving.py), after a warm-up call that compiles the
+    shapes. Latent values are random: compute time does not depend on them (the presets this bench runs
+    are dense)."""
     enable_compilation_cache()
     loaded = load_model(model_dir, cache_dtype=cache_dtype)
     cfg = loaded.config
-    runner = ModelRunner(loaded.model, cfg, chunk_tokens=chunk_tokens)
+    runner = ModelRunner(serving_model(loaded.model, dtype), cfg, chunk_tokens=chunk_tokens)
     rng = np.random.default_rng(0)
     out = []
     for tokens in lengths:
