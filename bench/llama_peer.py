@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.kv_bench import free_port
+from model.config import SERVING_DTYPES
 
 
 def say(message: str) -> None:
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=16, help="llama-server -np (slots)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--slot-context", type=int, default=4096, help="context per slot (-c = this x --parallel)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="DeepInfer's serving dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=SERVING_DTYPES, help="DeepInfer's serving dtype")
     p.add_argument("--gguf-type", default="bf16", choices=["bf16", "f32"], help="the peer's weights")
     args, serve_args = p.parse_known_args(argv)
     if not args.llama_dir:

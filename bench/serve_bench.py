@@ -35,6 +35,7 @@ from bench import report
 from bench.serve_client import Client, closed_loop, percentiles, poisson, summarize
 from bench.trace_format import DEFAULT_TRACE, load_trace, prompt_token_ids, scale_request, session_slice
 from bench.trace_live import TOKEN_RANGE
+from model.config import SERVING_DTYPES
 
 COMMAND = "python -m bench.serve_bench"
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--long-tokens", type=int, default=16384)
     p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference"])
     p.add_argument("--batch-invariant", action="store_true")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the engines' serving dtype")
+    p.add_argument("--dtype", default="bfloat16", choices=SERVING_DTYPES, help="the engines' serving dtype")
     p.add_argument("--peer-url", default="", help="also run the sweep against this OpenAI-compatible server")
     p.add_argument("--peer-name", default="llama-server")
     p.add_argument("--peer-model", default="mini", help="the model name the peer serves")

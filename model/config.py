@@ -12,6 +12,14 @@ from typing import Any
 ROPE_LAYOUT = "interleaved-pairs->half-split"
 
 _DTYPES = ("float32", "bfloat16", "float16")
+SERVING_DTYPES = ("bfloat16", "float32")  # what an engine serves a model at (model/serving.py)
+
+
+def check_serving_dtype(dtype: str, name: str = "dtype") -> str:
+    """`dtype` if an engine can serve at it; else a ValueError naming `name` (a flag or a field)."""
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"{name} must be {' or '.join(SERVING_DTYPES)}, got {dtype!r}")
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)

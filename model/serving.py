@@ -23,12 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.config import check_serving_dtype
 from model.layers import Linear
 from model.mla import MLAttention
 from model.transformer import DeepseekModel
-
-SERVING_DTYPES = ("bfloat16", "float32")
-
 
 class ServingLinear(nnx.Module):
     """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output."""
@@ -48,8 +46,7 @@ def serving_model(model: DeepseekModel, dtype: str) -> DeepseekModel:
     """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
     otherwise a new module tree that shares every array but the projections, which it re-lays (the
     caller drops the original to free the old projections)."""
-    if dtype not in SERVING_DTYPES:
-        raise ValueError(f"serving dtype must be one of {SERVING_DTYPES}, got {dtype!r}")
+    check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
         return model
     graphdef, state = nnx.split(model)

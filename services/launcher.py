@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from model.config import check_serving_dtype
 from services.common.config import ConfigError, check_redis_url, load_config, secret_field
 from services.common.instance import INSTANCE_ENV, INSTANCE_HEADER
 from services.common.logs import check_log_format
@@ -85,8 +86,7 @@ class StackConfig:
         check_redis_url(self.redis_url)
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, got {self.engines}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"--dtype must be bfloat16 or float32, got {self.dtype!r}")
+        check_serving_dtype(self.dtype, "--dtype")
 
 
 class ServiceFailed(Exception):

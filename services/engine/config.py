@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from model.config import check_serving_dtype
 from services.common.config import check_redis_url, load_config, secret_field
 from services.common.logs import check_log_format
 
@@ -100,8 +101,7 @@ class EngineConfig:
         check_log_format(self.log_format)
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        check_serving_dtype(self.dtype)
 
         if self.pool_tokens < 0 or self.pool_gib < 0:
             raise ValueError("pool_tokens and pool_gib must be >= 0")
