@@ -36,7 +36,7 @@ def measure(args) -> dict:
     pool = LatentPool(cfg, 1 + max(batches) * pages_per_seq + -(-args.prefill // B), B)
     default = PagedRunner(model, cfg, pool)
     invariant = PagedRunner(model, cfg, pool, fixed_batch=_pow2(args.max_batch))
-    float32 = PagedRunner(serving_model(checkpoint, "float32"), cfg, pool, decode_attention_dtype="float32")
+    float32 = PagedRunner(serving_model(checkpoint, "float32"), cfg, pool)
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens

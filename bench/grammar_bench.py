@@ -26,6 +26,7 @@ from model.config import preset
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
 from model.paged_runner import DecodeRow, LatentPool, PagedRunner
 from model.sampling import SamplingParams, SamplingRow, sample_batch
+from model.serving import serving_model
 from model.weights import init_model
 
 COMMAND = "python -m bench.grammar_bench"
@@ -136,7 +137,7 @@ def _xgrammar(tokenizer_json, vocab_size: int, repeats: int) -> dict:
 def steps(args) -> dict:
     """The decode step with and without grammar masks, at each batch size."""
     cfg = preset(args.preset)
-    model = init_model(cfg)
+    model = serving_model(init_model(cfg), "bfloat16")  # as the engine serves it
     B = 64
     pages_per_seq = -(-(args.context + 2 * args.repeats + 8) // B)
     n_max = max(args.batches)

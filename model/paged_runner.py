@@ -181,7 +181,7 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_st
         # The view as its own copy: fused into the two attention products, the gather ran inside each.
         kv_BSA = jax.lax.optimization_barrier(kv_BSA)
         x_BD = x_BD + _attend_decode(layer.attn, absorb, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA,
-                                     attention_dtype or layer.attn.cache_dtype)
+                                     attention_dtype)
         x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
         latents.append(latents_BA)
     head = nnx.merge(head_def, head_state)
@@ -213,15 +213,15 @@ class PagedRunner:
     """The engine's model: decode batches and prefill segments over a LatentPool."""
 
     def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, chunk_tokens: int = 512,
-                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0,
-                 decode_attention_dtype: str | None = None):
+                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0):
         # The dense runner's weights split per layer and its chunking rule are reused as they are.
         self.dense = ModelRunner(model, cfg, chunk_tokens, attention, attention_budget_bytes)
         self.cfg, self.pool = cfg, pool
         self.page = pool.page_tokens
         self.fixed_batch = fixed_batch  # batch-invariant mode: every decode batch padded to this size
-        # Input dtype of decode attention's two big products (None: the cache dtype, as FlashMLA).
-        self.decode_attention_dtype = jnp.dtype(decode_attention_dtype).name if decode_attention_dtype else None
+        # Input dtype of decode attention's two big products: the cache dtype (as FlashMLA) for a model served
+        # in bfloat16, float32 for one served in float32 (model/serving.py): the wider of the two.
+        self.decode_attention_dtype = jnp.promote_types(model.layers[0].attn.w_uk.dtype, cfg.cache_dtype).name
         self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
         self._layer_states = [state for _, state in self.dense.layers]
         # Decode's absorbed weights, laid out head-major once, in float32: these products have a few

@@ -64,8 +64,7 @@ class Engine:
                                    * np.dtype(model_cfg.cache_dtype).itemsize)
         self.latents = LatentPool(model_cfg, num_pages, self.B)
         self.runner = PagedRunner(self.loaded.model, model_cfg, self.latents, chunk_tokens=cfg.chunk_tokens,
-                                  fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0,
-                                  decode_attention_dtype="float32" if cfg.dtype == "float32" else None)
+                                  fixed_batch=_pow2(cfg.max_batch) if cfg.batch_invariant else 0)
         self.pages = PagePool(num_pages, cfg.memory_tier)
         self.scheduler = Scheduler(self.pages, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens,
                                                               cfg.solo_tokens, cfg.batch_invariant,
