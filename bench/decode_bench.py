@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     result = measure(args)
     result["prefill_tokens"] = args.prefill
-    result["command"] = f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    result["command"] = report.command_line(COMMAND, argv)
     report.write_json("decode_bench", result)
     if not args.no_report:
         write(result)

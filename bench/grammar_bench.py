@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     result["engines"] = engines(vocab_size, args.repeats)
     result["steps"] = steps(args)
     result["load_average_end"] = os.getloadavg()[0]
-    result["command"] = f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    result["command"] = report.command_line(COMMAND, argv)
     report.write_json("grammar_bench", result)
     if not args.no_report:
         write(result)

@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import report
 from bench.kv_bench import free_port
 from model.config import SERVING_DTYPES
 
@@ -145,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_bench.main(["--model-dir", str(ours), "--preset", args.preset, "--dtype", args.dtype,
                                  "--peer-url", url,
                                  "--peer-model", args.preset, *serve_args],
-                                command="python -m bench.llama_peer " + " ".join(argv if argv is not None
-                                                                                 else sys.argv[1:]))
+                                command=report.command_line("python -m bench.llama_peer", argv))
 
 
 if __name__ == "__main__":

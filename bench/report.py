@@ -5,6 +5,7 @@ import json
 import platform
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,11 @@ def update_section(title: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     BENCHMARKS.write_text(text)
+
+
+def command_line(command: str, argv: list[str] | None) -> str:
+    """The command a run was started with: `command` and its arguments (argv, or this process's)."""
+    return " ".join([command, *(argv if argv is not None else sys.argv[1:])])
 
 
 def save_figure(fig, filename: str, dpi: int = 110) -> str:

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     if 512 % args.hash_tokens:
         raise SystemExit("--hash-tokens must divide 512")
     result = measure(args)
-    result["command"] = command or f"{COMMAND} " + " ".join(argv if argv is not None else os.sys.argv[1:])
+    result["command"] = command or report.command_line(COMMAND, argv)
     report.write_json(args.name, result)
     if not args.no_report:
         from bench import serve_report
