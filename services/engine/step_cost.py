@@ -22,6 +22,11 @@ DECODE_WINDOW = 9  # decode steps per batch bucket; the median ignores a step th
 SPREAD = 1.5  # a term is fitted only once the window's segments vary enough (in end, in n) to tell it apart
 
 
+def pow2_bucket(n: int) -> int:
+    """The power of two at or above n: the shapes the runner compiles, for segment sizes and batches."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 class PrefillCost:
     """t(n, end) = a*n + b*n*end + c*end + d seconds, non-negative least squares over the latest segments of
     each size on relative error (segments range from milliseconds to seconds; relative error also keeps one
@@ -37,7 +42,7 @@ class PrefillCost:
     def observe(self, n: int, end: int, seconds: float) -> None:
         if n < 1 or end < n or not seconds > 0:
             return  # a clock glitch or an empty segment says nothing about cost
-        size = 1 << max(0, (n - 1).bit_length())
+        size = pow2_bucket(n)
         self.by_size.setdefault(size, deque(maxlen=self.window)).append((n, end, seconds))
         self._fit()
 
@@ -80,14 +85,10 @@ class DecodeCost:
         self.steps: dict[int, deque[float]] = {}  # bucket -> seconds
         self.medians: dict[int, float] = {}
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << max(0, (batch - 1).bit_length())
-
     def observe(self, batch: int, seconds: float) -> None:
         if batch < 1 or not seconds > 0:
             return
-        key = self.bucket(batch)
+        key = pow2_bucket(batch)
         steps = self.steps.setdefault(key, deque(maxlen=self.window))
         steps.append(seconds)
         self.medians = {**self.medians, key: median(steps)}  # replaced whole: stats() reads it from another thread
@@ -96,7 +97,7 @@ class DecodeCost:
         medians = self.medians
         if not medians:
             return None
-        key = self.bucket(batch)
+        key = pow2_bucket(batch)
         nearest = min(medians, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))  # a tie: the smaller
         return medians.get(key, medians[nearest])
 
