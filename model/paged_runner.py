@@ -193,6 +193,50 @@ def _write_latents(pools, slots_B, latents_LBA):
     return [_write_slots(pool_PBA, slots_B, latents_BA) for pool_PBA, latents_BA in zip(pools, latents_LBA)]
 
 
+@partial(jax.jit, static_argnums=(0, 7, 8))
+def _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, absorbed, positions_MT):
+    """Attention of M tiles of query rows (R = M * tile rows from `_project_paged`; each tile belongs to one
+    sequence and reads that sequence's pages, gathered into a (view, A) view per tile), then the feed-forward
+    over all R rows at once: (R, D). Attention is the dense runner's (absorbed or expanded), batched over M."""
+    layer = nnx.merge(graphdef, state)
+    attn = layer.attn
+    M, T = positions_MT.shape
+    kv_MSA = _view(pool_PBA, tables_MQ, attn.cache_dtype).reshape(M, view, -1)
+    q_nope_MNTH = q_nope_NRH.reshape(q_nope_NRH.shape[0], M, T, -1).transpose(1, 0, 2, 3)
+    q_pe_MNTR = q_pe_NRR.reshape(q_pe_NRR.shape[0], M, T, -1).transpose(1, 0, 2, 3)
+
+    def one(q_nope_NTH, q_pe_NTR, positions_T, kv_SA):
+        expanded = None if absorbed else attn.expand(kv_SA, view, attn.w_uk.dtype)
+        return attn.attend(q_nope_NTH, q_pe_NTR, positions_T, kv_SA, view, expanded)
+
+    x_RD = x_RD + jax.vmap(one)(q_nope_MNTH, q_pe_MNTR, positions_MT, kv_MSA).reshape(M * T, -1)
+    return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _head_rows(graphdef, state, x_RD, rows_K):
+    """Logits (K, V) float32 of rows rows_K."""
+    head = nnx.merge(graphdef, state)
+    return head.lm_head(head.norm(x_RD[rows_K])).astype(jnp.float32)
+
+
+class Segment(NamedTuple):
+    """A prefill segment: tokens at positions [start, start + len(tokens)) of one sequence with `pages`."""
+    tokens: np.ndarray
+    start: int
+    pages: list[int]
+
+
+MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass at most: 512 rows, as a chunk
+MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
+MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass gathers per tile
+
+
+def tile_bucket(tiles: int) -> int:
+    """Tiles a pass is padded to: a power of two up to 8, then multiples of 8 (at most 7 padded tiles)."""
+    return _pow2(tiles) if tiles <= 8 else -(-tiles // 8) * 8
+
+
 def view_bucket(n: int, page: int) -> int:
     """Rows of the view attention reads for positions [0, n): a power of two up to 4,096 rows, quarters of
     one beyond, in whole pages. Coarser than the dense runner's eighths: every distinct shape is a
@@ -269,6 +313,59 @@ class PagedRunner:
                                         self.decode_attention_dtype)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits
+
+    def batchable(self, n: int, end: int) -> bool:
+        """Whether a segment of n tokens ending at `end` goes in a `prefill_segments` pass: a short one (alone,
+        its padded chunk would be mostly padding, and its pass's fixed cost would be paid for a few rows) whose
+        view is short enough to be gathered once per tile. A longer one computes faster alone (`prefill`:
+        measured in BENCHMARKS.md, prefill passes)."""
+        return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
+
+    def prefill_segments(self, segments: list[Segment]) -> jax.Array:
+        """Computes several sequences' segments in one pass per layer: their rows share every projection and
+        feed-forward product (one product of all rows instead of one per sequence). Rows go in tiles of one
+        page (a segment takes whole tiles, its last one padded); each tile attends over its own sequence's
+        pages, so segments of any lengths and positions mix with at most a tile's padding each. The tile count
+        is bucketed (`tile_bucket`), the view is the longest segment's. Writes the latents into the pages;
+        returns the logits (K, V) at each segment's last token, dispatched (rows past len(segments) repeat
+        the last)."""
+        B = self.page
+        counts = [-(-s.tokens.size // B) for s in segments]
+        M = tile_bucket(sum(counts))
+        if M > MAX_PASS_TILES:
+            raise ValueError(f"{sum(counts)} tiles do not fit one pass of {MAX_PASS_TILES}")
+        ends = [s.start + s.tokens.size for s in segments]
+        view = view_bucket(max(ends), B)
+        tokens_MT = np.zeros((M, B), np.int32)
+        positions_MT = np.tile(np.arange(B, dtype=np.int32), (M, 1))
+        slots_MT = np.full((M, B), SCRATCH_PAGE * B, np.int32) + np.arange(B, dtype=np.int32)
+        tables_MQ = np.full((M, view // B), SCRATCH_PAGE, np.int32)
+        last_K = np.zeros(_pow2(len(segments)), np.int32)
+        tile = 0
+        for k, (seg, end, count) in enumerate(zip(segments, ends, counts)):
+            if len(seg.pages) * B < end:
+                raise ValueError(f"{len(seg.pages)} pages cannot hold {end} tokens")
+            n = seg.tokens.size
+            rows = slice(tile, tile + count)
+            tokens_MT[rows].reshape(-1)[:n] = seg.tokens
+            positions_MT[rows] = (seg.start + np.arange(count * B, dtype=np.int32)).reshape(count, B)
+            slots_MT[rows] = self._slots(positions_MT[rows].reshape(-1), seg.pages, end).reshape(count, B)
+            tables_MQ[rows] = self._table(seg.pages, view)
+            last_K[k:] = tile * B + n - 1
+            tile += count
+        absorbed = (prefer_absorbed(self.cfg, B, view) if self.dense.attention == "auto"
+                    else self.dense.attention == "absorbed")
+        x_RD = _embed(self.dense.embed_VD, jnp.asarray(tokens_MT.reshape(-1)))
+        positions_R, slots_R = jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1))
+        positions_MT, tables_MQ = jnp.asarray(positions_MT), jnp.asarray(tables_MQ)
+        for layer in range(self.cfg.num_layers):
+            graphdef, state = self.dense.layers[layer]
+            q_nope_NRH, q_pe_NRR, self.pool.layers[layer] = _project_paged(
+                graphdef, state, x_RD, self.pool.layers[layer], positions_R, slots_R)
+            x_RD = _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, self.pool.layers[layer], tables_MQ,
+                                 view, absorbed, positions_MT)
+        graphdef, state = self.dense.head
+        return _head_rows(graphdef, state, x_RD, jnp.asarray(last_K))
 
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);

@@ -7,7 +7,7 @@ import pytest
 
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, miss, open_redis
 from model.config import preset
-from model.paged_runner import DecodeRow, LatentPool, PagedRunner
+from model.paged_runner import DecodeRow, LatentPool, PagedRunner, Segment
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
 from model.serving import serving_model
@@ -135,6 +135,48 @@ def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, dtype, att
             want = dense.decode_step(t, r.cache)
             np.testing.assert_allclose(batch[i], want, atol=tolerance * np.abs(want).max())
         fed = [int(np.argmax(row)) for row in batch]
+
+
+def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny):
+    """PagedRunner.prefill_segments: segments of several sequences (lengths that fill tiles partly, positions
+    after a prefix already in their pages) in one pass give each one's logits and latents as computed alone
+    (served in float32: within fp32 tolerance), so decoding after either goes the same way."""
+    cfg = tiny.config
+    served = serving_model(tiny.model, "float32")
+    specs = [(150, 0), (20, 64), (64, 130), (1, 300), (90, 10)]  # (segment tokens, start): 3+1+1+1+2 tiles
+    prompts = [prompt(40 + i, start + n) for i, (n, start) in enumerate(specs)]
+    tables = [list(range(1 + 6 * i, 7 + 6 * i)) for i in range(len(specs))]
+    results = {}
+    for how in ("alone", "pass"):
+        pool = LatentPool(cfg, 64, 64)
+        paged = PagedRunner(served, cfg, pool, chunk_tokens=64)
+        for p, (n, start), table in zip(prompts, specs, tables):
+            if start:
+                paged.prefill(p[:start], 0, table, False)
+        if how == "alone":
+            logits = [np.asarray(paged.prefill(p[start:], start, table, True))
+                      for p, (n, start), table in zip(prompts, specs, tables)]
+        else:
+            assert all(paged.batchable(n, start + n) for n, start in specs)
+            out = np.asarray(paged.prefill_segments([Segment(p[start:], start, table)
+                                                     for p, (n, start), table in zip(prompts, specs, tables)]))
+            assert out.shape == (8, cfg.vocab_size)  # padded to a power of two of segments
+            logits = list(out[:len(specs)])
+        latents = [np.asarray(pool.host(pool.read(layer, table)))[:start + n]
+                   for layer in range(cfg.num_layers) for (n, start), table in zip(specs, tables)]
+        steps = np.asarray(paged.decode([DecodeRow(int(np.argmax(row)), start + n, table)
+                                         for row, (n, start), table in zip(logits, specs, tables)]))
+        results[how] = logits, latents, steps[:len(specs)]
+    (alone, alone_latents, alone_steps), (batched, batched_latents, batched_steps) = results["alone"], results["pass"]
+    for want, got in zip(alone, batched):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    for want, got in zip(alone_latents, batched_latents):
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-2 * np.abs(want).max())
+    np.testing.assert_allclose(batched_steps, alone_steps, atol=1e-4 * np.abs(alone_steps).max())
+    paged = PagedRunner(served, cfg, LatentPool(cfg, 64, 64), chunk_tokens=64)
+    with pytest.raises(ValueError, match="tiles do not fit one pass"):
+        paged.prefill_segments([Segment(prompt(1, 192), 0, [1, 2, 3])] * 3)
+    assert not paged.batchable(256, 256)  # a long segment computes alone (faster there)
 
 
 @pytest.mark.parametrize("kind", ["miss", "memory", "disk"])

@@ -170,3 +170,36 @@ def test_a_ratio_that_is_not_positive_is_refused():
         EngineConfig(prefill_step_ratio=0)
     with pytest.raises(ValueError, match="prefill_step_ratio"):
         SchedulePolicy(64, 8, 256, 2048, False, -1.0)
+
+
+def test_a_pass_of_several_segments_pays_the_per_pass_cost_once():
+    """Segments computed together in one pass (PagedRunner.prefill_segments) are fitted as their sum plus one
+    d; segments measured alone and passes together recover the same terms."""
+    c, d = 2e-7, 3e-3
+    alone = lambda n, end: cost_of(n, end) + c * end  # noqa: E731 - the terms a segment brings to a pass
+    fit = PrefillCost()
+    for n, end in [(512, 512), (64, 600), (256, 4096), (128, 8192)]:
+        fit.observe(n, end, alone(n, end) + d)
+    for segments in ([(64, 64), (64, 128), (100, 900)], [(192, 192), (30, 3000)], [(64, 64)] * 8):
+        fit.observe_pass(segments, sum(alone(n, end) for n, end in segments) + d)
+    assert fit.coef == pytest.approx({"a": A, "b": B_CTX, "c": c, "d": d}, rel=1e-5)
+    assert fit.per_pass_s == pytest.approx(d)
+    fit.observe_pass([], 1.0)  # nothing computed, or a segment that makes no sense: ignored
+    fit.observe_pass([(64, 64), (0, 10)], 1.0)
+    assert len(fit.segments) == 7
+
+
+def test_sequences_waiting_for_their_first_token_get_more_of_a_step_when_they_outnumber_the_decoding_ones():
+    """While few sequences decode and many wait in prefill, pacing the prefills by one stream's decode time
+    would leave the many waiting (64 tokens a step each): their share of the step grows with their number
+    over the decoding ones; with no more prefilling than decoding sequences it stays prefill_step_ratio."""
+    cost = measured(decode_s=0.02)
+    budgets = []
+    for decoding, prefilling in ((4, 1), (1, 4), (1, 8)):
+        s = scheduler(max_batch=16)
+        seqs = running(s, *[(4000, 0)] * prefilling, decoding=decoding)
+        step = s.schedule(cost)
+        assert len(step.decode) == decoding and step.prefill[0][0] is seqs[0]
+        budgets.append(sum(cost.prefill_s(n, seq.computed + n) for seq, n in step.prefill))
+    assert budgets[0] <= 2 * 0.02 < budgets[1] <= 4 * 2 * 0.02 < budgets[2] <= 8 * 2 * 0.02
+    assert budgets[2] > 4 * 2 * 0.02 * 0.75  # mostly spent, not a token budget in disguise

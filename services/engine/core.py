@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstore import extend_block_hashes
 from model.grammar import TokenGrammar, default_tokenizer_json, token_grammar
-from model.paged_runner import SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner
+from model.paged_runner import MAX_PASS_TILES, SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner, Segment
 from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, TokenLogprobs, request_seed, sample_batch
 from model.serving import serving_model
@@ -307,23 +307,61 @@ class Engine:
                 seq.computed += 1
                 self._publish(seq)
                 self._accept(seq, token, None if host is None else host[i], logprobs)
-        for seq, n in step.prefill:
-            if seq.status is not Status.RUNNING:
-                continue  # preempted above to make room for a decode
-            want = seq.generated == 0 and seq.computed + n == seq.target
+        self._prefill([(seq, n) for seq, n in step.prefill if seq.status is Status.RUNNING])  # (not preempted above)
+
+    def _prefill(self, segments: list[tuple[Sequence, int]]) -> None:
+        """Computes the step's prefill segments: those that fit one chunk and share a padded size and view
+        bucket in one pass per group (PagedRunner.prefill_segments), the others alone; samples the first token
+        of every sequence whose prompt is done, saves the progress of long prefills."""
+        for group in self._prefill_passes(segments):
+            # Sequences whose prompt this pass completes come first: their logits are the pass's first rows.
+            group.sort(key=lambda item: not self._completes(*item))
+            wanted = [seq for seq, n in group if self._completes(seq, n)]
             begin = time.perf_counter()
-            logits = self.runner.prefill(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed,
-                                         seq.pages, want)
+            if len(group) == 1:
+                (seq, n), = group
+                logits = self.runner.prefill(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed,
+                                             seq.pages, bool(wanted))
+                logits = logits[None] if wanted else logits
+            else:
+                logits = self.runner.prefill_segments([
+                    Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
+                    for seq, n in group])
             jax.block_until_ready(logits)  # timed to its end: the cost model that sizes segments learns from it
-            self.cost.prefill.observe(n, seq.computed + n, time.perf_counter() - begin)
-            seq.computed += n
-            self.metrics.prefill_tokens.labels("computed").inc(n)
-            self._publish(seq)
-            if want:
-                (token, logprobs), = self._sample(logits[None], [seq])
-                self._accept(seq, token, np.asarray(logits) if seq.job.digest else None, logprobs)
-            elif seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
-                self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
+            self.cost.prefill.observe_pass([(n, seq.computed + n) for seq, n in group], time.perf_counter() - begin)
+            for seq, n in group:
+                seq.computed += n
+                self.metrics.prefill_tokens.labels("computed").inc(n)
+                self._publish(seq)
+                if seq not in wanted and seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
+                    self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
+            if wanted:
+                host = np.asarray(logits) if any(seq.job.digest for seq in wanted) else None
+                for i, (seq, (token, logprobs)) in enumerate(zip(wanted, self._sample(logits, wanted))):
+                    self._accept(seq, token, None if host is None else host[i], logprobs)
+
+    @staticmethod
+    def _completes(seq: Sequence, n: int) -> bool:
+        """Whether a segment of n tokens ends the sequence's prompt (its first token is then sampled)."""
+        return seq.generated == 0 and seq.computed + n == seq.target
+
+    def _prefill_passes(self, segments: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+        """The step's segments as passes: those the runner can batch together in passes of up to
+        MAX_PASS_TILES tiles, each other one alone (a long segment, which the runner chunks), in the
+        scheduler's order. Batch-invariant mode computes every segment alone, so a sequence's numbers never
+        depend on who shares its pass."""
+        passes, shared, tiles = [], [], 0
+        for seq, n in segments:
+            if self.cfg.batch_invariant or not self.runner.batchable(n, seq.computed + n):
+                passes.append([(seq, n)])
+                continue
+            count = -(-n // self.B)
+            if tiles + count > MAX_PASS_TILES:
+                passes.append(shared)
+                shared, tiles = [], 0
+            shared.append((seq, n))
+            tiles += count
+        return passes + [shared] if shared else passes
 
     def _remaining(self, seq: Sequence) -> int:
         return min(seq.remaining, self.loaded.config.max_context - len(seq.tokens))

@@ -110,7 +110,9 @@ class Scheduler:
         p = self.policy
         decode_s = cost.decode_s(len(decode)) if cost is not None and decode else None
         if decode_s is not None and not p.batch_invariant and cost.prefill_s(1, 1) is not None:
-            return Step(decode, self._timed_prefill(cost, p.prefill_step_ratio * decode_s))
+            prefilling = len(self.running) - len(decode)
+            share = max(1.0, prefilling / len(decode))
+            return Step(decode, self._timed_prefill(cost, p.prefill_step_ratio * decode_s * share))
         budget = (p.step_tokens - len(decode)) if decode else p.solo_tokens
         prefill = []
         for seq in self.running:
@@ -136,8 +138,11 @@ class Scheduler:
             if not seq.prefilling:
                 continue
             left = seq.target - seq.computed
-            fitting = [n for n in dict.fromkeys([*(min(n, left) for n in sizes)])
-                       if cost.prefill_s(n, seq.computed + n) <= seconds]
+
+            def predicted(n: int) -> float:  # after the first, segments mostly join its pass (its d is paid)
+                return cost.prefill_s(n, seq.computed + n) - (cost.prefill.per_pass_s if prefill else 0.0)
+
+            fitting = [n for n in dict.fromkeys([*(min(n, left) for n in sizes)]) if predicted(n) <= seconds]
             if fitting:
                 n = fitting[-1]
             elif not prefill:
@@ -145,7 +150,7 @@ class Scheduler:
             else:
                 continue
             prefill.append((seq, n))
-            seconds -= cost.prefill_s(n, seq.computed + n)
+            seconds -= predicted(n)
         return prefill
 
     def youngest(self) -> Sequence | None:

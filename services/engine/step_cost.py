@@ -6,7 +6,8 @@ A prefill segment of n tokens ending at position `end` costs t ~ a*n + b*n*end +
 through the projections and the MoE (a*n) and attends over a view of about `end` latents (b*n*end); every
 segment, whatever its n, gathers (and in the expanded form expands) the whole prefix's view once per layer
 (c*end) and dispatches its layers (d). At 16K context the end terms dominate, so a fixed 256-token segment
-there takes many decode steps' time; at short contexts it is cheap.
+there takes many decode steps' time; at short contexts it is cheap. Segments of several sequences computed
+in one pass (PagedRunner.prefill_segments) pay d once: their pass costs the sum of the other terms plus d.
 """
 from __future__ import annotations
 
@@ -36,33 +37,46 @@ class PrefillCost:
 
     def __init__(self, window: int = PREFILL_WINDOW):
         self.window = window
-        self.by_size: dict[int, deque[tuple[int, int, float]]] = {}  # power-of-two n -> (n, end, seconds)
+        # power-of-two tokens of a pass -> (tokens, sum of n*end, sum of end, seconds) of its latest passes
+        self.by_size: dict[int, deque[tuple[int, int, int, float]]] = {}
         self.coef: dict[str, float] | None = None  # a, b, c, d
 
     def observe(self, n: int, end: int, seconds: float) -> None:
-        if n < 1 or end < n or not seconds > 0:
+        self.observe_pass([(n, end)], seconds)
+
+    def observe_pass(self, segments: list[tuple[int, int]], seconds: float) -> None:
+        """One pass that computed these (n, end) segments together in `seconds`."""
+        if not segments or any(n < 1 or end < n for n, end in segments) or not seconds > 0:
             return  # a clock glitch or an empty segment says nothing about cost
-        size = pow2_bucket(n)
-        self.by_size.setdefault(size, deque(maxlen=self.window)).append((n, end, seconds))
+        n = sum(n for n, _ in segments)
+        features = (n, sum(n * end for n, end in segments), sum(end for _, end in segments), seconds)
+        self.by_size.setdefault(pow2_bucket(n), deque(maxlen=self.window)).append(features)
         self._fit()
 
     @property
     def segments(self) -> list[tuple[int, int, float]]:
-        return [segment for kept in self.by_size.values() for segment in kept]
+        """The kept passes as (tokens, token-weighted mean end, seconds)."""
+        return [(n, n_end / n, t) for kept in self.by_size.values() for n, n_end, _, t in kept]
 
     def predict(self, n: int, end: int) -> float | None:
         """Seconds for n tokens ending at `end`; None before any segment was measured."""
         k = self.coef
         return None if k is None else k["a"] * n + k["b"] * n * end + k["c"] * end + k["d"]
 
+    @property
+    def per_pass_s(self) -> float:
+        """d: what a segment that joins another's pass does not pay again."""
+        return (self.coef or {}).get("d", 0.0)
+
     def _fit(self) -> None:
-        rows = np.array(self.segments, np.float64)  # (S, 3): n, end, seconds
-        n_S, end_S, t_S = rows[:, 0], rows[:, 1], rows[:, 2]
+        rows = np.array([p for kept in self.by_size.values() for p in kept], np.float64)  # (S, 4)
+        n_S, n_end_S, end_sum_S, t_S = rows.T
+        end_S = n_end_S / n_S  # a pass's token-weighted end
         terms = {"a": n_S}
         if end_S.max() >= SPREAD * end_S.min():
-            terms["b"] = n_S * end_S
+            terms["b"] = n_end_S
             if n_S.max() >= SPREAD * n_S.min():
-                terms |= {"c": end_S, "d": np.ones_like(n_S)}
+                terms |= {"c": end_sum_S, "d": np.ones_like(n_S)}
         X_SK = np.stack(list(terms.values()), axis=1) / t_S[:, None]  # each row over its t: relative error
         scale_K = X_SK.max(axis=0)  # columns of one magnitude, for the solver
         k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
