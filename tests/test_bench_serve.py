@@ -2,7 +2,7 @@
 import json
 import math
 
-from bench import decode_bench, report, serve_bench
+from bench import decode_bench, prefill_passes, report, serve_bench
 from bench.serve_client import Result, percentiles, summarize
 
 
@@ -38,3 +38,11 @@ def test_decode_bench_measures_both_modes():
     assert set(result["decode"]) == {"1", "2"} and all(d["default"] > 0 and d["invariant"] > 0
                                                        for d in result["decode"].values())
     assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
+
+
+def test_prefill_passes_measures_one_pass_against_one_by_one():
+    assert prefill_passes.main(["--preset", "tiny", "--repeats", "1", "--no-report"]) == 0
+    result = json.loads((report.OUT / "prefill_passes.json").read_text())
+    assert set(result["cases"]) == set(prefill_passes.CASES)
+    assert all(c["pass_s"] > 0 and c["alone_s"] > 0 and c["tokens"] == sum(n for n, _ in c["segments"])
+               for c in result["cases"].values())

@@ -1,0 +1,111 @@
+"""prefill_passes: several sequences' prefill segments in one pass (PagedRunner.prefill_segments) against the
+same segments computed one by one (PagedRunner.prefill), in-process, on the engine's bfloat16-served model.
+
+    python -m bench.prefill_passes [--preset mini] [--repeats 5]
+
+Each case is a list of segments (tokens, start: the sequence's earlier tokens are already in its pages).
+Both ways run side by side in one process, alternating; every number is the median over --repeats runs.
+This is what sets which segments the engine batches (`PagedRunner.batchable`): short ones.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from bench import report
+from bench.moe_bench import median_seconds
+from model.config import preset
+from model.paged_runner import LatentPool, PagedRunner, Segment
+from model.serving import serving_model
+from model.weights import init_model
+
+COMMAND = "python -m bench.prefill_passes"
+CASES = {  # name -> [(segment tokens, start)]
+    "8 x 64 at 0": [(64, 0)] * 8,
+    "8 x 30..64 at 0..700": [(40, 0), (64, 64), (60, 128), (50, 300), (50, 700), (64, 0), (30, 200), (45, 500)],
+    "3 x 100..150 at 100": [(150, 100), (150, 100), (100, 100)],
+    "2 x 192 at 0": [(192, 0), (192, 0)],
+    "1 x 512 at 0": [(512, 0)],
+    "2 x 256 at 512": [(256, 512), (256, 512)],
+}
+
+
+def measure(args) -> dict:
+    cfg = preset(args.preset)
+    runner = PagedRunner(serving_model(init_model(cfg), "bfloat16"), cfg, LatentPool(cfg, 256, 64))
+    rng = np.random.default_rng(0)
+    out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0], "cases": {}}
+    for name, specs in CASES.items():
+        segments, page = [], 1
+        for n, start in specs:
+            pages = list(range(page, page + -(-(start + n) // 64)))
+            page += len(pages)
+            tokens = rng.integers(0, cfg.vocab_size, start + n)
+            if start:
+                runner.prefill(tokens[:start], 0, pages, False)
+            segments.append(Segment(tokens[start:], start, pages))
+        one_pass = lambda: runner.prefill_segments(segments)  # noqa: E731
+        alone = lambda: [runner.prefill(s.tokens, s.start, s.pages, True) for s in segments]  # noqa: E731
+        tokens = sum(n for n, _ in specs)
+        case = {"segments": specs, "tokens": tokens, "pass_s": median_seconds(one_pass, args.repeats),
+                "alone_s": median_seconds(alone, args.repeats)}
+        out["cases"][name] = case
+        print(f"{name}: one pass {case['pass_s'] * 1000:.0f} ms, one by one {case['alone_s'] * 1000:.0f} ms "
+              f"({case['alone_s'] / case['pass_s']:.2f}x)", flush=True)
+    out["load_average_end"] = os.getloadavg()[0]
+    return out
+
+
+def write(result: dict) -> None:
+    rows = [[name, c["tokens"], f"{c['pass_s'] * 1000:.0f}", f"{c['pass_s'] / c['tokens'] * 1e6:.0f}",
+             f"{c['alone_s'] * 1000:.0f}", f"{c['alone_s'] / c['tokens'] * 1e6:.0f}",
+             f"{c['alone_s'] / c['pass_s']:.2f}x"] for name, c in result["cases"].items()]
+    body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
+            f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
+            f"Model `{result['preset']}` served in bfloat16; segments (tokens at a start position, the earlier "
+            "tokens already in the sequence's pages) in one `prefill_segments` pass against one `prefill` each; "
+            "medians, side by side in one process.", "",
+            report.markdown_table(["segments", "tokens", "one pass ms", "us/token", "one by one ms", "us/token",
+                                   "one by one / one pass"], rows),
+            f"\n![prefill_passes](bench/results/{plot(result)})"]
+    report.update_section("Prefill passes (prefill_passes)", "\n".join(body))
+
+
+def plot(result: dict) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(result["cases"])
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for offset, key, label in ((-0.2, "pass_s", "one pass"), (0.2, "alone_s", "one by one")):
+        ax.bar(x + offset, [result["cases"][n][key] / result["cases"][n]["tokens"] * 1e6 for n in names], 0.4,
+               label=label)
+    ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("microseconds per prefill token")
+    ax.set_title(f"prefill_passes, {result['preset']} (bfloat16)", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    fig.tight_layout()
+    return report.save_figure(fig, "prefill_passes.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prefill_passes", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-report", action="store_true")
+    args = p.parse_args(argv)
+    result = measure(args)
+    result["command"] = report.command_line(COMMAND, argv)
+    report.write_json("prefill_passes", result)
+    if not args.no_report:
+        write(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
