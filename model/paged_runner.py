@@ -13,8 +13,9 @@ Two kinds of work share a model step (the scheduler decides which):
   over the sequence's pages gathered once per layer (the latents are written to the pool first and
   read back, so a prefix loaded from disk, kept in memory or computed a step earlier look the same).
 
-Shapes are bucketed (batch to powers of two, views and tables to eighths of a power of two) so the
-compile count stays small; batch-invariant mode pads every decode batch to one fixed size.
+Shapes are bucketed (batch to powers of two, views by `view_bucket`: finer for decode, which reads every
+row of its views each step) so the compile count stays small; batch-invariant mode pads every decode batch
+to one fixed size. Short prefill segments of several sequences share one pass (`prefill_segments`).
 """
 from __future__ import annotations
 
@@ -227,6 +228,7 @@ class Segment(NamedTuple):
     pages: list[int]
 
 
+DECODE_VIEW_STEPS = 4  # decode view sizes per doubling past 512 rows: at most 1.25x masked rows
 MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass at most: 512 rows, as a chunk
 MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
 MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass gathers per tile
@@ -237,13 +239,17 @@ def tile_bucket(tiles: int) -> int:
     return _pow2(tiles) if tiles <= 8 else -(-tiles // 8) * 8
 
 
-def view_bucket(n: int, page: int) -> int:
-    """Rows of the view attention reads for positions [0, n): a power of two up to 4,096 rows, quarters of
-    one beyond, in whole pages. Coarser than the dense runner's eighths: every distinct shape is a
-    compile that stalls the whole engine (seconds each on this CPU), and a serving engine meets many
-    lengths; the price is at most 2x (1.25x past 4K) masked rows in attention."""
+def view_bucket(n: int, page: int, steps: int = 1) -> int:
+    """Rows of the view attention reads for positions [0, n), in whole pages: a power of two up to 512 rows;
+    beyond, `steps` sizes per doubling up to 4,096 rows (1: powers of two) and at least 2 past it. Coarser
+    than the dense runner's eighths: every distinct shape is a compile that stalls the whole engine (about a
+    second each on this CPU), and a serving engine meets many lengths. Prefill takes steps=1 (at most 2x
+    masked rows, which its blockwise attention mostly skips); decode, which reads every row of every
+    sequence's view each step, takes DECODE_VIEW_STEPS."""
     n = max(n, MIN_VIEW)
-    size = _pow2(n) if n <= 4096 else -(-n // (_pow2(n) // 4)) * (_pow2(n) // 4)
+    pieces = 1 if n <= 512 else steps if n <= 4096 else max(steps, 2)
+    unit = _pow2(n) // (2 * pieces)
+    size = -(-n // unit) * unit
     return -(-size // page) * page
 
 
@@ -298,7 +304,7 @@ class PagedRunner:
         compile per batch size, every step)."""
         n = len(rows)
         B = max(self.fixed_batch, _pow2(n))
-        view = view_bucket(max(r.position + 1 for r in rows), self.page)
+        view = view_bucket(max(r.position + 1 for r in rows), self.page, DECODE_VIEW_STEPS)
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
         slots = np.full(B, SCRATCH_PAGE * self.page, np.int32)

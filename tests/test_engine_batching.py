@@ -7,7 +7,7 @@ import pytest
 
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, miss, open_redis
 from model.config import preset
-from model.paged_runner import DecodeRow, LatentPool, PagedRunner, Segment
+from model.paged_runner import DECODE_VIEW_STEPS, DecodeRow, LatentPool, PagedRunner, Segment, view_bucket
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
 from model.serving import serving_model
@@ -135,6 +135,17 @@ def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, dtype, att
             want = dense.decode_step(t, r.cache)
             np.testing.assert_allclose(batch[i], want, atol=tolerance * np.abs(want).max())
         fed = [int(np.argmax(row)) for row in batch]
+
+
+def test_view_buckets_are_powers_of_two_for_prefill_and_finer_for_decode():
+    """Prefill views: powers of two up to 4K, quarters of one beyond (at most 2x masked rows, which its
+    blockwise attention mostly skips); decode views, read whole by every step: eighths past 512 rows."""
+    lengths = (1, 256, 257, 512, 513, 700, 1025, 1500, 2049, 4096, 4097, 16385)
+    assert [view_bucket(n, 64) for n in lengths] == [256, 256, 512, 512, 1024, 1024, 2048, 2048, 4096, 4096,
+                                                     6144, 24576]
+    decode = [view_bucket(n, 64, DECODE_VIEW_STEPS) for n in lengths]
+    assert decode == [256, 256, 512, 512, 640, 768, 1280, 1536, 2560, 4096, 5120, 20480]
+    assert all(n <= v <= 1.25 * n for n, v in zip(lengths, decode) if n > 512) and all(v % 64 == 0 for v in decode)
 
 
 def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny):

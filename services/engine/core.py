@@ -328,7 +328,10 @@ class Engine:
                     Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
                     for seq, n in group])
             jax.block_until_ready(logits)  # timed to its end: the cost model that sizes segments learns from it
-            self.cost.prefill.observe_pass([(n, seq.computed + n) for seq, n in group], time.perf_counter() - begin)
+            elapsed = time.perf_counter() - begin
+            self.cost.prefill.observe_pass([(n, seq.computed + n) for seq, n in group], elapsed)
+            self.metrics.prefill_seconds.inc(elapsed)
+            self.metrics.prefill_passes.inc()
             for seq, n in group:
                 seq.computed += n
                 self.metrics.prefill_tokens.labels("computed").inc(n)

@@ -22,6 +22,10 @@ class EngineMetrics:
                                         registry=r)
         self.decode_seconds = Counter("deepinfer_engine_decode_seconds_total", "Time spent decoding",
                                       registry=r)
+        self.prefill_seconds = Counter("deepinfer_engine_prefill_seconds_total",
+                                       "Time spent computing prompt tokens (prefill passes)", registry=r)
+        self.prefill_passes = Counter("deepinfer_engine_prefill_passes_total",
+                                      "Prefill passes (one or several sequences' segments each)", registry=r)
         self.requests = Counter("deepinfer_engine_requests_total", "Requests by outcome", ["outcome"],
                                 registry=r)
         self.cache_fallbacks = Counter("deepinfer_engine_cache_fallbacks_total",
