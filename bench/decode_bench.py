@@ -10,11 +10,7 @@ Every row is the median over --repeats runs of the same shape, measured side by 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import subprocess
-import sys
 
 import numpy as np
 
@@ -26,7 +22,6 @@ from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.serving import serving_model
 from model.weights import init_model
-from services.engine.allocator import heap_in_use, restart_with_engine_heap
 
 COMMAND = "python -m bench.decode_bench"
 
@@ -48,23 +43,16 @@ def measure(args) -> dict:
         default.prefill(rng.integers(0, cfg.vocab_size, args.context), 0, table, False)
     greedy = SamplingRow(SamplingParams(), 0, 0)
     out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
-           "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}, "heap": heap_in_use()}
+           "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
         for name, runner in (("default", default), ("invariant", invariant), ("float32", float32)):
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(3):
-            sample_batch(default.decode(rows), [greedy] * n)
-        step["default_page_faults"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 3
         out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name]
                                         for name in ("default", "invariant", "float32")}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
               f"invariant, {step['float32'] * 1000:.1f} ms float32", flush=True)
-    if args.decode_only:
-        out["load_average_end"] = os.getloadavg()[0]
-        return out
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
     table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
 
@@ -86,25 +74,10 @@ def measure(args) -> dict:
     return out
 
 
-def system_heap_decode(args) -> dict:
-    """The same decode steps in a second process under the system's heap (DEEPINFER_ENGINE_HEAP=system)."""
-    child = [sys.executable, "-m", "bench.decode_bench", "--decode-only", "--no-report", "--no-heap-baseline",
-             "--json-name", "decode_bench_system_heap", "--preset", args.preset, "--context", str(args.context),
-             "--batches", ",".join(map(str, args.batches)), "--max-batch", str(args.max_batch),
-             "--repeats", str(args.repeats)]
-    print("decode steps under the system's heap (a second process) ...", flush=True)
-    subprocess.run(child, check=True, env=os.environ | {"DEEPINFER_ENGINE_HEAP": "system"})
-    return json.loads((report.OUT / "decode_bench_system_heap.json").read_text())["decode"]
-
-
 def write(result: dict) -> None:
-    system = result.get("system_heap", {})
     rows = [[n, f"{d['default'] * 1000:.1f}", f"{d['tokens_per_s_default']:.1f}", f"{d['invariant'] * 1000:.1f}",
              f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x",
-             f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x",
-             f"{d['default_page_faults'] * 4096 / 1e6:.0f}",
-             *([f"{system[n]['default'] * 1000:.1f}", f"{system[n]['default_page_faults'] * 4096 / 1e6:.0f}",
-                f"{system[n]['default'] / d['default']:.2f}x"] if n in system else ["", "", ""])]
+             f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x"]
             for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
     p = result["prefill"]
     one = result["decode"].get("1")
@@ -117,15 +90,10 @@ def write(result: dict) -> None:
             "repeats, all runners side by side in one process. Default and invariant: the engine's bfloat16 "
             "serving (model/serving.py: projections stored (out, in) in bfloat16, float32 accumulation; decode "
             "attention on bf16 latents); float32: the same weights served in float32 (`--dtype float32`). "
-            f"Invariant mode pads each decode batch to {result['max_batch']} rows. Heap: "
-            + ("the engine's (services/engine/allocator.py)." if result.get("heap") == "engine" else
-               "the system's (DEEPINFER_ENGINE_HEAP=system)."), "",
+            f"Invariant mode pads each decode batch to {result['max_batch']} rows.", "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
                                    "invariant tok/s", "invariant / default", "float32 step ms",
-                                   "float32 / bfloat16", "default MB faulted / step", "system heap step ms",
-                                   "system heap MB faulted / step", "system heap / engine heap"], rows), "",
-            "MB faulted / step: minor page faults of a default step x 4 KiB; system heap: the default steps again "
-            "in a second process under glibc's default heap (DEEPINFER_ENGINE_HEAP=system), after this one.", "",
+                                   "float32 / bfloat16"], rows), "",
             f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
             f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
             f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
@@ -165,22 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-report", action="store_true")
-    p.add_argument("--no-heap-baseline", action="store_true",
-                   help="skip the decode steps under the system's heap (a second process)")
-    p.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)  # the heap baseline's run
-    p.add_argument("--json-name", default="decode_bench", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     result = measure(args)
     result["prefill_tokens"] = args.prefill
     result["command"] = report.command_line(COMMAND, argv)
-    if not (args.no_heap_baseline or args.decode_only):
-        result["system_heap"] = system_heap_decode(args)
-    report.write_json(args.json_name, result)
+    report.write_json("decode_bench", result)
     if not args.no_report:
         write(result)
     return 0
 
 
 if __name__ == "__main__":
-    restart_with_engine_heap(sys.argv[1:], "bench.decode_bench")  # the engine's heap (services/engine/allocator.py)
     raise SystemExit(main())

@@ -38,9 +38,6 @@ def test_decode_bench_measures_both_modes():
     assert set(result["decode"]) == {"1", "2"} and all(d["default"] > 0 and d["invariant"] > 0
                                                        for d in result["decode"].values())
     assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
-    # The same decode steps under the system's heap, in a second process, and the page faults of each.
-    assert set(result["system_heap"]) == {"1", "2"} and all(d["default"] > 0 for d in result["system_heap"].values())
-    assert all(d["default_page_faults"] >= 0 for d in result["decode"].values())
 
 
 def test_prefill_passes_measures_one_pass_against_one_by_one():

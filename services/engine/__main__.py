@@ -1,17 +1,12 @@
 """python -m services.engine [--port 8200] [--preset mini | --model-dir DIR] [--volume DIR ...] [--redis-url URL]"""
 import sys
 
-from services.engine.allocator import restart_with_engine_heap
+from aiohttp import web
 
-if __name__ == "__main__":
-    restart_with_engine_heap(sys.argv[1:])  # before the heavy imports below (returns once the heap is set)
-
-from aiohttp import web  # noqa: E402
-
-from services.common.config import ConfigError  # noqa: E402
-from services.common.logs import configure_logging  # noqa: E402
-from services.engine.app import build_app  # noqa: E402
-from services.engine.config import load  # noqa: E402
+from services.common.config import ConfigError
+from services.common.logs import configure_logging
+from services.engine.app import build_app
+from services.engine.config import load
 
 
 def main(argv: list[str] | None = None) -> int:
