@@ -24,6 +24,7 @@ from model.serving import serving_model
 from model.weights import init_model
 
 COMMAND = "python -m bench.decode_bench"
+DEFAULT_CONTEXT = 512
 
 
 def measure(args) -> dict:
@@ -101,7 +102,8 @@ def write(result: dict) -> None:
             f"{p['float32']['seconds']:.2f} s in {p['float32']['segment_tokens']}-token segments "
             f"({p['float32']['seconds'] / p['solo']['seconds']:.2f}x bfloat16's).", "", *scaling]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
-    report.update_section("Decode batching and batch invariance (decode_bench)", "\n".join(body))
+    other = "" if result["context"] == DEFAULT_CONTEXT else f", context {result['context']}"
+    report.update_section(f"Decode batching and batch invariance (decode_bench{other})", "\n".join(body))
 
 
 def plot(result: dict) -> str:
@@ -118,7 +120,8 @@ def plot(result: dict) -> str:
     ax.set_title(f"decode_bench, {result['preset']}, context {result['context']}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
-    return report.save_figure(fig, "decode_bench.png")
+    other = "" if result["context"] == DEFAULT_CONTEXT else f"_context{result['context']}"
+    return report.save_figure(fig, f"decode_bench{other}.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
-    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
+                   help="tokens of context of every sequence (another than the default gets its own report section)")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--solo-tokens", type=int, default=2048)
