@@ -68,7 +68,7 @@ class Client:
                 "stream": True, "stream_options": {"include_usage": True}}
         send = self.now()
         times = [] if times is None else times
-        hit, output, error = 0, 0, ""
+        hit, output, error, finished = 0, 0, "", False
         try:
             async with self._session.post(self.url, json=body, headers=self.headers | (headers or {})) as r:
                 if r.status != 200:
@@ -84,6 +84,7 @@ class Client:
                             first_token.set()
                     usage = chunk.get("usage")
                     if usage:
+                        finished = True
                         hit = int(usage.get("prompt_cache_hit_tokens") or 0)
                         output = int(usage.get("completion_tokens") or len(times))
         except Exception as e:  # noqa: BLE001 - counted per request; the run goes on
@@ -91,8 +92,10 @@ class Client:
         end = self.now()
         if first_token is not None:
             first_token.set()  # (also on failure: nobody waits forever)
-        if error or not times:
+        if error or (not times and not finished):
             return Result(len(prompt), 0, 0, send, math.nan, end - send, (), error or "no tokens")
+        if not times:  # a whole answer with no text (its first token ended it: EOS): done, its TTFT its latency
+            return Result(len(prompt), output, hit, send, end - send, end - send, (), "")
         # Detokenization can hold a token back (an incomplete UTF-8 sequence): count tokens, time chunks.
         return Result(len(prompt), max(output, len(times)), hit, send, times[0] - send, end - send, tuple(times), "")
 
