@@ -298,13 +298,17 @@ class PagedRunner:
         table[:n] = pages[:n]
         return table
 
+    def decode_shape(self, positions: list[int]) -> tuple[int, int]:
+        """(padded batch, view rows) of a decode dispatch of sequences at these positions."""
+        return max(self.fixed_batch, _pow2(len(positions))), view_bucket(max(positions) + 1, self.page,
+                                                                           DECODE_VIEW_STEPS)
+
     def decode(self, rows: list[DecodeRow]) -> jax.Array:
         """Feeds one token per sequence; returns their logits on the device, (B, V) with B >= len(rows): the
         rows past len(rows) are the padded batch's (left there: slicing them off is an eager copy, and a
         compile per batch size, every step)."""
         n = len(rows)
-        B = max(self.fixed_batch, _pow2(n))
-        view = view_bucket(max(r.position + 1 for r in rows), self.page, DECODE_VIEW_STEPS)
+        B, view = self.decode_shape([r.position for r in rows])
         tokens = np.zeros(B, np.int32)
         positions = np.zeros(B, np.int32)
         slots = np.full(B, SCRATCH_PAGE * self.page, np.int32)

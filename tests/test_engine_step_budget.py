@@ -7,9 +7,9 @@ from kvstore import miss
 from model.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.pool import PagePool
-from services.engine.scheduler import SchedulePolicy, Scheduler
+from services.engine.scheduler import SchedulePolicy, Scheduler, decode_cut
 from services.engine.sequence import Job, Sequence
-from services.engine.step_cost import DecodeCost, PrefillCost, StepCost
+from services.engine.step_cost import DecodeCost, DispatchCost, PrefillCost, StepCost
 
 A, B_CTX = 1e-4, 1e-8  # seconds per token, seconds per token per context token (about mini on a CPU)
 
@@ -203,3 +203,45 @@ def test_sequences_waiting_for_their_first_token_get_more_of_a_step_when_they_ou
         budgets.append(sum(cost.prefill_s(n, seq.computed + n) for seq, n in step.prefill))
     assert budgets[0] <= 2 * 0.02 < budgets[1] <= 4 * 2 * 0.02 < budgets[2] <= 8 * 2 * 0.02
     assert budgets[2] > 4 * 2 * 0.02 * 0.75  # mostly spent, not a token budget in disguise
+
+
+F, G, H = 0.035, 5e-6, 1e-3  # a decode dispatch: seconds fixed, per view row of each sequence, per sequence
+
+
+def dispatch_cost() -> DispatchCost:
+    """Fed exact dispatch times of several shapes (and a compiling first dispatch of one)."""
+    cost = DispatchCost()
+    cost.observe(16, 2048, 3.0)  # compiled: the shape's median ignores it
+    for batch, view in [(1, 512), (4, 1024), (16, 640), (16, 2048), (8, 1280), (2, 4096), (16, 2048), (16, 2048)]:
+        cost.observe(batch, view, F + G * batch * view + H * batch)
+    return cost
+
+
+def shape(positions: list[int]) -> tuple[int, int]:
+    """As PagedRunner.decode_shape: batch to a power of two, views to eighths past 512 (rounded here to 256)."""
+    batch = 1 << (len(positions) - 1).bit_length()
+    return batch, max(512, -(-(max(positions) + 1) // 256) * 256)
+
+
+def test_decode_dispatch_costs_are_fitted_per_shape():
+    cost = dispatch_cost()
+    assert cost.coef == pytest.approx({"f": F, "g": G, "h": H}, rel=1e-4)
+    assert cost.predict(32, 3000) == pytest.approx(F + G * 32 * 3000 + H * 32)
+    assert cost.summary()["shapes"] == 6
+    few = DispatchCost()
+    few.observe(16, 640, 0.1)
+    few.observe(16, 700, 0.1)  # two shapes of about one size tell nothing apart
+    assert few.predict(1, 1) is None
+
+
+def test_a_decode_batch_splits_its_short_sequences_from_a_few_long_ones_only_when_that_is_cheaper():
+    cost = dispatch_cost()
+    short_and_long = [100 + i for i in range(15)] + [3000]
+    cut = decode_cut(short_and_long, shape, cost)
+    assert cut == 15  # 15 at view 512 and one at 3072: 2F + G*(16*512 + 3072) < F + G*16*3072
+    assert cost.predict(*shape(short_and_long[:cut])) + cost.predict(*shape(short_and_long[cut:])) < \
+        0.9 * cost.predict(*shape(short_and_long))
+    assert decode_cut([300 + 40 * i for i in range(16)], shape, cost) == 0  # similar lengths: one dispatch
+    assert decode_cut([100, 3000], shape, cost) == 0  # two sequences: F dominates, one dispatch
+    assert decode_cut([100] * 8 + [3000] * 8, shape, cost) == 8
+    assert decode_cut(short_and_long, shape, DispatchCost()) == 0  # nothing measured yet: one dispatch

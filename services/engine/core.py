@@ -35,7 +35,7 @@ from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
 from services.engine.pool import PagePool
-from services.engine.scheduler import Admission, SchedulePolicy, Scheduler, Step
+from services.engine.scheduler import Admission, SchedulePolicy, Scheduler, Step, decode_cut
 from services.engine.sequence import Job, Sequence, Status
 from services.engine.step_cost import StepCost
 
@@ -295,19 +295,35 @@ class Engine:
         decode = self._grow(step.decode)
         if decode:
             begin = time.perf_counter()
-            rows = [DecodeRow(seq.tokens[-1], seq.computed, seq.pages) for seq in decode]
-            logits = self.runner.decode(rows)  # dispatched: grammar masks are computed while it runs
-            taken = self._sample(logits, decode)
+            for group in self._decode_dispatches(decode):
+                self._decode(group)
             elapsed = time.perf_counter() - begin
             self.cost.decode.observe(len(decode), elapsed)
             self.metrics.decode_batch.observe(len(decode))
             self.metrics.decode_seconds.inc(elapsed)
-            host = np.asarray(logits) if any(s.job.digest for s in decode) else None
-            for i, (seq, (token, logprobs)) in enumerate(zip(decode, taken)):
-                seq.computed += 1
-                self._publish(seq)
-                self._accept(seq, token, None if host is None else host[i], logprobs)
         self._prefill([(seq, n) for seq, n in step.prefill if seq.status is Status.RUNNING])  # (not preempted above)
+
+    def _decode(self, decode: list[Sequence]) -> None:
+        """One decode dispatch: a token for each of these sequences."""
+        begin = time.perf_counter()
+        rows = [DecodeRow(seq.tokens[-1], seq.computed, seq.pages) for seq in decode]
+        logits = self.runner.decode(rows)  # dispatched: grammar masks are computed while it runs
+        taken = self._sample(logits, decode)
+        self.cost.dispatch.observe(*self.runner.decode_shape([r.position for r in rows]), time.perf_counter() - begin)
+        host = np.asarray(logits) if any(s.job.digest for s in decode) else None
+        for i, (seq, (token, logprobs)) in enumerate(zip(decode, taken)):
+            seq.computed += 1
+            self._publish(seq)
+            self._accept(seq, token, None if host is None else host[i], logprobs)
+
+    def _decode_dispatches(self, decode: list[Sequence]) -> list[list[Sequence]]:
+        """The decode batch as one dispatch, or as two, the shorter sequences apart from the longer ones
+        (`decode_cut`). Batch-invariant mode always takes one (its batch is padded to a fixed size)."""
+        if self.cfg.batch_invariant or len(decode) < 2:
+            return [decode]
+        ordered = sorted(decode, key=lambda seq: seq.computed)
+        cut = decode_cut([seq.computed for seq in ordered], self.runner.decode_shape, self.cost.dispatch)
+        return [ordered[:cut], ordered[cut:]] if cut else [decode]
 
     def _prefill(self, segments: list[tuple[Sequence, int]]) -> None:
         """Computes the step's prefill segments: those that fit one chunk and share a padded size and view

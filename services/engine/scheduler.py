@@ -15,12 +15,13 @@ running sequence is preempted (its pages freed, its blocks kept hot, requeued).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from services.engine.pool import PagePool
 from services.engine.sequence import Sequence, Status
-from services.engine.step_cost import StepCost
+from services.engine.step_cost import DispatchCost, StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,3 +178,25 @@ class Scheduler:
             self.pool.release(seq.pages)
             seq.pages = []
         seq.status = Status.FINISHED
+
+
+SPLIT_GAIN = 0.9  # a decode batch goes as two dispatches only when they are predicted this much cheaper
+
+
+def decode_cut(positions: list[int], shape: Callable[[list[int]], tuple[int, int]], cost: DispatchCost) -> int:
+    """Where to cut a decode batch of sequences at these positions (ascending) into two dispatches, or 0 for one.
+    In one batch every sequence's view is as long as the longest's (`shape` gives a dispatch's padded batch and
+    view rows), so a few long sequences make every short one read their length; two dispatches pay the fixed
+    cost twice. The cut with the lowest predicted cost wins if it beats one dispatch by SPLIT_GAIN; without
+    fitted costs, one dispatch."""
+    if len(positions) < 2 or cost.predict(1, 1) is None:
+        return 0
+    whole = shape(positions)
+    best, cut = SPLIT_GAIN * cost.predict(*whole), 0
+    for k in range(1, len(positions)):
+        if shape(positions[:k])[1] == whole[1]:
+            break  # the short part would read views as long as the whole batch's
+        split = cost.predict(*shape(positions[:k])) + cost.predict(*shape(positions[k:]))
+        if split < best:
+            best, cut = split, k
+    return cut

@@ -119,6 +119,44 @@ class DecodeCost:
         return {str(k): v for k, v in sorted(self.medians.items())}
 
 
+class DispatchCost:
+    """t(B, S) = f + g*B*S + h*B seconds for one decode dispatch of a batch padded to B rows whose views are S
+    rows each: the weights are read once whatever the batch (f), every row of every view is gathered and read by
+    attention (g), every sequence goes through the projections and the head (h). Non-negative least squares on
+    relative error over the latest dispatches of each (B, S) shape, once they differ in B*S by SPREAD. It tells
+    whether a decode batch is cheaper as two dispatches, short sequences apart from long ones (a batch's views
+    are all as long as its longest sequence's)."""
+
+    def __init__(self, window: int = DECODE_WINDOW):
+        self.window = window
+        self.by_shape: dict[tuple[int, int], deque[float]] = {}
+        self.coef: dict[str, float] | None = None  # f, g, h
+
+    def observe(self, batch: int, view: int, seconds: float) -> None:
+        if batch < 1 or view < 1 or not seconds > 0:
+            return
+        self.by_shape.setdefault((batch, view), deque(maxlen=self.window)).append(seconds)
+        # One row per shape, its median: the first dispatch of a shape compiles.
+        rows = np.array([(b, v, median(ts)) for (b, v), ts in self.by_shape.items()], np.float64)
+        b_S, v_S, t_S = rows.T
+        cells = b_S * v_S
+        if len(rows) < 3 or cells.max() < SPREAD * cells.min():
+            return
+        X_SK = np.stack([np.ones_like(b_S), cells, b_S], axis=1) / t_S[:, None]
+        scale_K = X_SK.max(axis=0)
+        k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
+        self.coef = dict(zip("fgh", (k_K / scale_K).tolist()))
+
+    def predict(self, batch: int, view: int) -> float | None:
+        k = self.coef
+        return None if k is None else k["f"] + k["g"] * batch * view + k["h"] * batch
+
+    def summary(self) -> dict:
+        k = self.coef or {}
+        return {"seconds_per_dispatch": k.get("f"), "seconds_per_view_row": k.get("g"),
+                "seconds_per_sequence": k.get("h"), "shapes": len(self.by_shape)}
+
+
 class StepCost:
     """The two models together, as the scheduler asks them: what would this decode batch cost, and
     this prefill segment."""
@@ -126,6 +164,7 @@ class StepCost:
     def __init__(self):
         self.prefill = PrefillCost()
         self.decode = DecodeCost()
+        self.dispatch = DispatchCost()
 
     def decode_s(self, batch: int) -> float | None:
         return self.decode.predict(batch)
@@ -134,4 +173,5 @@ class StepCost:
         return self.prefill.predict(n, end)
 
     def summary(self) -> dict:
-        return {"prefill": self.prefill.summary(), "decode_step_s_by_batch": self.decode.summary()}
+        return {"prefill": self.prefill.summary(), "decode_step_s_by_batch": self.decode.summary(),
+                "decode_dispatch": self.dispatch.summary()}
