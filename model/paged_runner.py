@@ -234,11 +234,6 @@ MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
 MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass gathers per tile
 
 
-def tile_bucket(tiles: int) -> int:
-    """Tiles a pass is padded to: a power of two up to 8, then multiples of 8 (at most 7 padded tiles)."""
-    return _pow2(tiles) if tiles <= 8 else -(-tiles // 8) * 8
-
-
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
     """Rows of the view attention reads for positions [0, n), in whole pages: a power of two up to 512 rows;
     beyond, `steps` sizes per doubling up to 4,096 rows (1: powers of two) and at least 2 past it. Coarser
@@ -336,14 +331,14 @@ class PagedRunner:
         feed-forward product (one product of all rows instead of one per sequence). Rows go in tiles of one
         page (a segment takes whole tiles, its last one padded); each tile attends over its own sequence's
         pages, so segments of any lengths and positions mix with at most a tile's padding each. The tile count
-        is bucketed (`tile_bucket`), the view is the longest segment's. Writes the latents into the pages;
+        is padded to a power of two, the view is the longest segment's. Writes the latents into the pages;
         returns the logits (K, V) at each segment's last token, dispatched (rows past len(segments) repeat
         the last)."""
         B = self.page
         counts = [-(-s.tokens.size // B) for s in segments]
-        M = tile_bucket(sum(counts))
-        if M > MAX_PASS_TILES:
+        if sum(counts) > MAX_PASS_TILES:
             raise ValueError(f"{sum(counts)} tiles do not fit one pass of {MAX_PASS_TILES}")
+        M = _pow2(sum(counts))
         ends = [s.start + s.tokens.size for s in segments]
         view = view_bucket(max(ends), B)
         tokens_MT = np.zeros((M, B), np.int32)

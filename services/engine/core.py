@@ -326,9 +326,9 @@ class Engine:
         return [ordered[:cut], ordered[cut:]] if cut else [decode]
 
     def _prefill(self, segments: list[tuple[Sequence, int]]) -> None:
-        """Computes the step's prefill segments: those that fit one chunk and share a padded size and view
-        bucket in one pass per group (PagedRunner.prefill_segments), the others alone; samples the first token
-        of every sequence whose prompt is done, saves the progress of long prefills."""
+        """Computes the step's prefill segments in passes (`_prefill_passes`: short ones of several sequences
+        together, PagedRunner.prefill_segments; the others alone); samples the first token of every sequence
+        whose prompt is done, saves the progress of long prefills."""
         for group in self._prefill_passes(segments):
             # Sequences whose prompt this pass completes come first: their logits are the pass's first rows.
             group.sort(key=lambda item: not self._completes(*item))

@@ -6,11 +6,13 @@ of every running sequence whose prefill is done, plus prefill segments of runnin
 budget, so a long prefill never stops other streams' decoding. The budget is time: given the measured
 step costs (step_cost.py), the segments are sized so that their predicted time is about
 `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
-over the whole prefix) and many at short ones; at least one block, at most `solo_tokens`. Without costs
+over the whole prefix) and many at short ones; at least one block, at most `solo_tokens`. When more
+sequences prefill than decode, that budget grows by their ratio. Without costs
 yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
 takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
 Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
-running sequence is preempted (its pages freed, its blocks kept hot, requeued).
+running sequence is preempted (its pages freed, its blocks kept hot, requeued). `decode_cut` says when
+a decode batch is cheaper as two dispatches.
 """
 from __future__ import annotations
 

@@ -28,6 +28,16 @@ def pow2_bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def relative_nnls(terms: dict[str, np.ndarray], t_S: np.ndarray) -> dict[str, float]:
+    """Non-negative coefficients k with t ~ sum(k[name] * terms[name]), least squares on relative error
+    (each row over its t: costs range from milliseconds to seconds, and one slow outlier, such as a step that
+    compiled, does not dominate)."""
+    X_SK = np.stack(list(terms.values()), axis=1) / t_S[:, None]
+    scale_K = X_SK.max(axis=0)  # columns of one magnitude, for the solver
+    k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
+    return dict(zip(terms, (k_K / scale_K).tolist()))
+
+
 class PrefillCost:
     """t(n, end) = a*n + b*n*end + c*end + d seconds, non-negative least squares over the latest segments of
     each size on relative error (segments range from milliseconds to seconds; relative error also keeps one
@@ -77,10 +87,7 @@ class PrefillCost:
             terms["b"] = n_end_S
             if n_S.max() >= SPREAD * n_S.min():
                 terms |= {"c": end_sum_S, "d": np.ones_like(n_S)}
-        X_SK = np.stack(list(terms.values()), axis=1) / t_S[:, None]  # each row over its t: relative error
-        scale_K = X_SK.max(axis=0)  # columns of one magnitude, for the solver
-        k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
-        fitted = dict(zip(terms, (k_K / scale_K).tolist()))
+        fitted = relative_nnls(terms, t_S)
         self.coef = {name: fitted.get(name, 0.0) for name in "abcd"}  # replaced whole: stats() reads it
 
     def summary(self) -> dict:
@@ -142,10 +149,7 @@ class DispatchCost:
         cells = b_S * v_S
         if len(rows) < 3 or cells.max() < SPREAD * cells.min():
             return
-        X_SK = np.stack([np.ones_like(b_S), cells, b_S], axis=1) / t_S[:, None]
-        scale_K = X_SK.max(axis=0)
-        k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
-        self.coef = dict(zip("fgh", (k_K / scale_K).tolist()))
+        self.coef = relative_nnls({"f": np.ones_like(b_S), "g": cells, "h": b_S}, t_S)
 
     def predict(self, batch: int, view: int) -> float | None:
         k = self.coef
