@@ -262,6 +262,12 @@ async def test_health_metrics_and_admin_auth(engine):
         async with session.get(url + "/metrics", headers=SERVICE) as r:
             text = await r.text()
         assert "deepinfer_engine_ttft_seconds" in text and "deepinfer_engine_prefill_tokens_total" in text
+        assert "deepinfer_engine_step_seconds_total" in text
+        # the warm-up traced the model's shapes in this process (compiled or loaded from the cache)
+        compile_lines = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith("deepinfer_engine_compile_seconds_total{")}
+        assert set(compile_lines) == {f'stage="{s}"' for s in ("trace", "lower", "compile", "cache_load")}
+        assert compile_lines['stage="trace"'] > 0 and compile_lines['stage="lower"'] > 0
 
 
 async def test_progress_events_keep_a_long_wait_alive_under_a_short_read_timeout(engine):

@@ -186,7 +186,9 @@ class Engine:
                 self._poll_loads()
                 step = self.scheduler.schedule(self.cost)
                 if step.decode or step.prefill:
+                    begin = time.perf_counter()
                     self._step(step)
+                    self.metrics.step_seconds.inc(time.perf_counter() - begin)
                 elif self.scheduler.loading:
                     self._wake.wait(IDLE_POLL_S)
                 else:

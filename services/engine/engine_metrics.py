@@ -1,9 +1,53 @@
 """The engine's Prometheus metrics (a per-engine registry)."""
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
+
+import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+# jax.monitoring's duration events of a compile, by stage. A listener is process-wide and cannot be
+# removed, so one is registered once and every engine's registry reads the same totals.
+_COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "compile",
+    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_load",
+}
+_compile_seconds: dict[str, float] = defaultdict(float)
+_listening = threading.Lock()
+_registered = False
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    stage = _COMPILE_EVENTS.get(event)
+    if stage is not None:
+        _compile_seconds[stage] += seconds
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds this process has spent compiling, by stage (trace, lower, compile, cache_load)."""
+    global _registered
+    with _listening:
+        if not _registered:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _registered = True
+    return {stage: _compile_seconds[stage] for stage in _COMPILE_EVENTS.values()}
+
+
+class _CompileCollector:
+    def collect(self):
+        family = CounterMetricFamily("deepinfer_engine_compile_seconds",
+                                     "Time this engine process spent tracing, lowering and compiling model "
+                                     "shapes (or loading them from the compilation cache), by stage", labels=["stage"])
+        for stage, seconds in compile_seconds().items():
+            family.add_metric([stage], seconds)
+        yield family
 
 
 class EngineMetrics:
@@ -22,6 +66,9 @@ class EngineMetrics:
                                         registry=r)
         self.decode_seconds = Counter("deepinfer_engine_decode_seconds_total", "Time spent decoding",
                                       registry=r)
+        self.step_seconds = Counter("deepinfer_engine_step_seconds_total",
+                                    "Time the model thread spent in steps (model calls, sampling, bookkeeping); "
+                                    "the rest of the wall time it waited for work", registry=r)
         self.prefill_seconds = Counter("deepinfer_engine_prefill_seconds_total",
                                        "Time spent computing prompt tokens (prefill passes)", registry=r)
         self.prefill_passes = Counter("deepinfer_engine_prefill_passes_total",
@@ -50,3 +97,5 @@ class EngineMetrics:
                                       registry=r)
         self.pool_hot_pages = Gauge("deepinfer_engine_pool_hot_pages",
                                     "Pages of finished sequences kept as the memory tier", registry=r)
+        compile_seconds()  # listens from now on
+        r.register(_CompileCollector())
