@@ -14,7 +14,11 @@ their prefix), output lengths from the trace capped at --max-output. Phases (--p
                (no disk tier, no memory tier) beside the cache-on numbers of the sweep
   interference a --long-tokens miss sent while --streams streams decode: their TPOT p99 during its
                prefill against their TPOT with nothing else running, and its TTFT against its TTFT alone
-The stacks are started here (one engine, --preset, fresh data dir each) unless --url is given.
+The stacks are started here (one engine, --preset, fresh data dir each) unless --url is given. Before the
+measured runs, a warm pass (the last --warm-sessions sessions, no level's) at the sweep's highest
+concurrency compiles the shapes this workload meets, as a server that has been up a while has them; each
+run then also reports the engine's own accounting of it (busy, prefill, decode and compile seconds, from
+its /metrics: on stacks started here).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -57,15 +62,44 @@ def workload(args) -> list[list[tuple[list[int], int]]]:
     return [turns[: args.max_turns] for turns in sessions.values()]
 
 
+class EngineProbe:
+    """The engines' own accounting of a run, read from their /metrics (with the admin token): seconds the
+    model thread was busy, and of those prefill and decode, and seconds spent compiling new shapes."""
+
+    SERIES = {"busy_s": "deepinfer_engine_step_seconds_total", "prefill_s": "deepinfer_engine_prefill_seconds_total",
+              "decode_s": "deepinfer_engine_decode_seconds_total", "compile_s": "deepinfer_engine_compile_seconds_total"}
+
+    def __init__(self, urls: list[str], admin_token: str):
+        self.urls, self.headers = urls, {"Authorization": f"Bearer {admin_token}"}
+
+    async def snapshot(self) -> dict:
+        totals = dict.fromkeys(self.SERIES, 0.0)
+        async with aiohttp.ClientSession(headers=self.headers) as session:
+            for url in self.urls:
+                async with session.get(url + "/metrics") as reply:
+                    reply.raise_for_status()
+                    text = await reply.text()
+                for line in text.splitlines():
+                    for key, series in self.SERIES.items():
+                        if line.startswith(series + " ") or line.startswith(series + "{"):
+                            totals[key] += float(line.rsplit(" ", 1)[1])
+        return totals
+
+    @staticmethod
+    def spent(before: dict, after: dict) -> dict:
+        return {key: after[key] - before[key] for key in before}
+
+
 class StackRun:
     """A stack of this machine (one engine) for one phase, or the --url stack."""
 
     def __init__(self, args, cache: bool, name: str):
         self.args, self.cache, self.name, self.stack, self.dir = args, cache, name, None, None
+        self.url, self.probe = args.url, None  # no probe for --url: its admin token is not ours
 
-    def __enter__(self) -> str:
+    def __enter__(self) -> "StackRun":
         if self.args.url:
-            return self.args.url
+            return self
         from services.launcher import Stack, StackConfig
         from tests.conftest import free_port, free_ports
         self.dir = Path(tempfile.mkdtemp(prefix=f"serve_bench_{self.name}_", dir=self.args.dir))
@@ -78,7 +112,8 @@ class StackRun:
         say(f"starting a stack ({'cache on' if self.cache else 'cache off'}) in {self.dir}")
         os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
         self.stack = Stack(cfg, quiet=True).start()
-        return self.stack.gateway_url
+        self.url, self.probe = self.stack.gateway_url, EngineProbe(self.stack.engine_urls, self.stack.admin_token)
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.stack is not None:
@@ -92,42 +127,54 @@ def ensure_model(args) -> Path:
     return ensure_preset(args.preset, args.models_dir)
 
 
-async def warm_up(client: Client, sessions) -> None:
-    """Compiles the shapes of this workload once, outside every measurement."""
-    await closed_loop(client, [s[:1] for s in sessions[-4:]], 4)
+async def warm_up(client: Client, args, sessions, label: str = "") -> None:
+    """The warm pass: the last --warm-sessions sessions (no measured run's), whole, at the sweep's highest
+    concurrency, so the shapes of this workload are compiled outside every measurement."""
+    if args.warm_sessions <= 0:
+        return
+    warm = sessions[-args.warm_sessions:]
+    c = min(max(args.concurrency), len(warm))
+    say(f"{label}warm pass: {len(warm)} sessions at {c} users")
+    results, duration = await closed_loop(client, warm, c)
+    say(f"{label}  warm pass done in {duration:.1f} s ({sum(not r.error for r in results)}/{len(results)} ok)")
 
 
-async def closed_level(client: Client, args, sessions, c: int, label: str = "") -> dict:
-    """One closed loop of `c` users over the level's own sessions: its summary."""
+async def closed_level(client: Client, args, sessions, c: int, label: str = "", probe: EngineProbe | None = None
+                       ) -> dict:
+    """One closed loop of `c` users over the level's own sessions: its summary (with the engines' own
+    accounting of it when there is a probe)."""
     picked = level_sessions(args, sessions, c)
     say(f"{label}closed loop, {c} users, {len(picked)} sessions ({sum(map(len, picked))} requests)")
+    before = await probe.snapshot() if probe else None
     results, duration = await closed_loop(client, picked, c)
     summary = summarize(results, duration)
+    if probe:
+        summary["engine"] = EngineProbe.spent(before, await probe.snapshot())
     _said(summary)
     return summary
 
 
-async def sweep(args, url: str, sessions, result: dict) -> None:
+async def sweep(args, url: str, sessions, result: dict, probe: EngineProbe | None = None) -> None:
     """Closed loops at each concurrency, then the Poisson run. With --peer-url the peer runs each level
     right after ours (same sessions, same order), so the load of this shared machine hits both alike."""
     out = result["sweep"] = {}
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(Client(url))
-        await warm_up(client, sessions)
+        await warm_up(client, args, sessions)
         peer = None
         if args.peer_url:
             peer = await stack.enter_async_context(Client(args.peer_url, model=args.peer_model,
                                                           fresh_connections=True))
             result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
-            await warm_up(peer, sessions)
+            await warm_up(peer, args, sessions, f"{args.peer_name}: ")
         for c in args.concurrency:
-            out[str(c)] = await closed_level(client, args, sessions, c)
+            out[str(c)] = await closed_level(client, args, sessions, c, probe=probe)
             if peer is not None:
                 result["peer"]["sweep"][str(c)] = await closed_level(peer, args, sessions, c, f"{args.peer_name}: ")
             report.write_json(args.name + "_partial", result)  # a run cut short keeps what it measured
         if args.rate:
             used = sum(max(args.min_sessions, c) for c in sorted(set(args.concurrency) | {args.cache_concurrency}))
-            requests = [turn for s in sessions[used:] for turn in s][: args.rate_requests]
+            requests = [turn for s in sessions[used: len(sessions) - args.warm_sessions] for turn in s][: args.rate_requests]
             say(f"Poisson arrivals at {args.rate} requests/s, {len(requests)} requests")
             results, duration = await poisson(client, requests, args.rate)
             result["poisson"] = summarize(results, duration) | {"rate": args.rate}
@@ -140,17 +187,17 @@ def level_sessions(args, sessions, c: int) -> list:
     levels = sorted(set(args.concurrency) | {args.cache_concurrency})
     start = sum(max(args.min_sessions, level) for level in levels if level < c)
     picked = sessions[start: start + max(args.min_sessions, c)]
-    if len(picked) < max(args.min_sessions, c):
+    if len(picked) < max(args.min_sessions, c) or start + len(picked) > len(sessions) - args.warm_sessions:
         raise SystemExit(f"the trace slice has {len(sessions)} sessions; {start + max(args.min_sessions, c)} are "
-                         "needed: raise --sessions / --trace-limit")
+                         f"needed besides the {args.warm_sessions} of the warm pass: raise --sessions / --trace-limit")
     return picked
 
 
-async def cache_off(args, url: str, sessions, result: dict) -> None:
+async def cache_off(args, url: str, sessions, result: dict, probe: EngineProbe | None = None) -> None:
     async with Client(url) as client:
-        await warm_up(client, sessions)
+        await warm_up(client, args, sessions, "cache off: ")
         c = args.cache_concurrency
-        result["cache_off"] = {str(c): await closed_level(client, args, sessions, c, "cache off: ")}
+        result["cache_off"] = {str(c): await closed_level(client, args, sessions, c, "cache off: ", probe)}
 
 
 async def interference(args, url: str, result: dict) -> None:
@@ -201,7 +248,7 @@ async def peer_sweep(args, sessions, result: dict) -> None:
     """The sweep's closed loops against the peer alone (when the sweep phase did not run them)."""
     out = result["peer"] = {"name": args.peer_name, "url": args.peer_url, "sweep": {}}
     async with Client(args.peer_url, model=args.peer_model, fresh_connections=True) as client:
-        await warm_up(client, sessions)
+        await warm_up(client, args, sessions, f"{args.peer_name}: ")
         for c in args.concurrency:
             out["sweep"][str(c)] = await closed_level(client, args, sessions, c, f"{args.peer_name}: ")
 
@@ -209,7 +256,7 @@ async def peer_sweep(args, sessions, result: dict) -> None:
 def measure(args) -> dict:
     sessions = workload(args)
     result = {"machine": report.machine(), "preset": args.preset, "dtype": args.dtype, "hash_tokens": args.hash_tokens,
-              "max_output": args.max_output, "sessions": len(sessions),
+              "max_output": args.max_output, "sessions": len(sessions), "warm_sessions": args.warm_sessions,
               "requests": sum(map(len, sessions)),
               "prompt_tokens_median": statistics.median(len(p) for s in sessions for p, _ in s),
               "load_average_start": os.getloadavg()[0], "phases": args.phases}
@@ -217,14 +264,14 @@ def measure(args) -> dict:
         "tokens")
     begin = time.perf_counter()
     if "sweep" in args.phases or "interference" in args.phases:
-        with StackRun(args, cache=True, name="on") as url:
+        with StackRun(args, cache=True, name="on") as run:
             if "sweep" in args.phases:
-                asyncio.run(sweep(args, url, sessions, result))
+                asyncio.run(sweep(args, run.url, sessions, result, run.probe))
             if "interference" in args.phases:
-                asyncio.run(interference(args, url, result))
+                asyncio.run(interference(args, run.url, result))
     if "cache" in args.phases:
-        with StackRun(args, cache=False, name="off") as url:
-            asyncio.run(cache_off(args, url, sessions, result))
+        with StackRun(args, cache=False, name="off") as run:
+            asyncio.run(cache_off(args, run.url, sessions, result, run.probe))
     if args.peer_url and "sweep" not in args.phases:
         asyncio.run(peer_sweep(args, sessions, result))
     result["wall_s"] = time.perf_counter() - begin
@@ -246,6 +293,8 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--min-turns", type=int, default=3)
     p.add_argument("--max-turns", type=int, default=3, help="turns per session sent")
     p.add_argument("--min-sessions", type=int, default=4, help="sessions per closed-loop run at least")
+    p.add_argument("--warm-sessions", type=int, default=16,
+                   help="sessions of the warm pass before the measured runs (the last ones; 0: none)")
     p.add_argument("--hash-tokens", type=int, default=16, help="token ids per trace hash id (the trace's is 512)")
     p.add_argument("--max-output", type=int, default=32, help="cap on each request's output tokens")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])

@@ -23,6 +23,16 @@ HEADER = ["run", "ok", "s", "req/s", "output tok/s", "hit / prompt tokens", "TTF
           "TPOT mean ms", "p50", "p90", "p99", "ITL p50 ms", "p99"]
 
 
+def _engine_rows(labelled: list[tuple[str, dict]]) -> list[list]:
+    """The engine's own accounting of each run that has it (stacks the bench started)."""
+    return [[label, f"{s['duration_s']:.1f}", f"{e['busy_s']:.1f} ({e['busy_s'] / s['duration_s']:.0%})",
+             f"{e['prefill_s']:.1f}", f"{e['decode_s']:.1f}", f"{e['compile_s']:.1f}"]
+            for label, s in labelled if (e := s.get("engine"))]
+
+
+ENGINE_HEADER = ["run", "wall s", "engine busy s (share)", "prefill s", "decode s", "compiling s"]
+
+
 def goals(result: dict) -> list[str]:
     """The issue's goals, each with the number this run measured."""
     lines = []
@@ -100,10 +110,12 @@ def report_plt():
 
 
 def write(result: dict, name: str) -> None:
-    rows = [_row(f"{c} users", s) for c, s in sorted(result.get("sweep", {}).items(), key=lambda kv: int(kv[0]))]
+    ours = [(f"{c} users", s) for c, s in sorted(result.get("sweep", {}).items(), key=lambda kv: int(kv[0]))]
     if "poisson" in result:
-        rows.append(_row(f"Poisson {result['poisson']['rate']}/s", result["poisson"]))
-    rows += [_row(f"{c} users, cache off", s) for c, s in result.get("cache_off", {}).items()]
+        ours.append((f"Poisson {result['poisson']['rate']}/s", result["poisson"]))
+    ours += [(f"{c} users, cache off", s) for c, s in result.get("cache_off", {}).items()]
+    rows = [_row(label, s) for label, s in ours]
+    engine_rows = _engine_rows(ours)
     peer = result.get("peer")
     if peer:
         rows += [_row(f"{peer['name']}: {c} users", s)
@@ -117,9 +129,16 @@ def write(result: dict, name: str) -> None:
             f"{result['requests']} requests of {result['sessions']} Mooncake conversation sessions (>= 3 turns), "
             f"{result['hash_tokens']} token ids per trace hash id (median prompt {result['prompt_tokens_median']:.0f} "
             f"tokens), outputs capped at {result['max_output']} tokens. Metrics as vLLM's benchmark_serving; "
-            "percentiles are nearest-rank over the run's requests.", ""]
+            "percentiles are nearest-rank over the run's requests."
+            + (f" Before the measured runs, a warm pass of {result['warm_sessions']} other sessions at the highest "
+               "concurrency compiled the workload's shapes." if result.get("warm_sessions") else ""), ""]
     if rows:
         body += [report.markdown_table(HEADER, rows), ""]
+    if engine_rows:
+        body += ["The engine's own accounting of each run (its /metrics, before and after): the model thread's busy "
+                 "time, of it prefill passes and decode steps, and the time this process spent compiling shapes it "
+                 "had not met before (inside the busy time, stalling every stream).", "",
+                 report.markdown_table(ENGINE_HEADER, engine_rows), ""]
     if inter:
         body += [report.markdown_table(
             ["streams", "long prompt", "idle TPOT p50 / p99 ms", "gap during the long prefill p50 / p99 ms",

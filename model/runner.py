@@ -29,7 +29,9 @@ def enable_compilation_cache(path: str | None = None) -> None:
     path = path or os.environ.get("DEEPINFER_JAX_CACHE", os.path.expanduser("~/.cache/deepinfer/jax"))
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # Every compile is kept: the small ones (a slice, a gather, the sampler: 30-100 ms each) add up to
+    # seconds of stalls per new process, and a cache load takes a few ms.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _pow2(n: int) -> int:

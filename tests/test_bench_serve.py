@@ -19,13 +19,16 @@ def test_serving_metrics_are_vllms_definitions():
 def test_serve_bench_runs_sessions_through_a_real_stack(tmp_path):
     assert serve_bench.main(["--preset", "tiny", "--models-dir", str(tmp_path / "models"), "--dir", str(tmp_path),
                              "--sessions", "12", "--concurrency", "1,2", "--cache-concurrency", "2",
-                             "--min-sessions", "2", "--max-turns", "2", "--max-output", "4", "--rate", "4",
+                             "--min-sessions", "2", "--warm-sessions", "2", "--max-turns", "2", "--max-output", "4", "--rate", "4",
                              "--rate-requests", "3", "--phases", "sweep,cache", "--name", "serve_smoke",
                              "--no-report"]) == 0
     result = json.loads((report.OUT / "serve_smoke.json").read_text())
     for run in (result["sweep"]["1"], result["sweep"]["2"], result["poisson"], result["cache_off"]["2"]):
         assert run["completed"] == run["requests"] > 0, run["first_error"]
         assert run["output_token_throughput"] > 0 and run["ttft_s"]["p50"] > 0
+    for run in (result["sweep"]["1"], result["sweep"]["2"], result["cache_off"]["2"]):  # the engine's accounting
+        engine = run["engine"]
+        assert 0 < engine["prefill_s"] + engine["decode_s"] <= engine["busy_s"] and engine["compile_s"] >= 0
     # Second turns extend first turns: with the cache on they hit, with it off nothing does.
     assert result["sweep"]["2"]["hit_tokens"] > 0 and result["cache_off"]["2"]["hit_tokens"] == 0
 
