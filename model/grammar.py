@@ -86,7 +86,11 @@ class TokenGrammar:
             raise GrammarError(f"'grammar' does not compile: {error.strip()[:500]}")
 
     def state(self, source: str) -> GrammarState:
-        matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
+        """A request's matcher (the grammar compiled against this tokenizer); GrammarError as `check`."""
+        try:
+            matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
+        except (ValueError, TypeError, RuntimeError) as raised:  # a grammar text llguidance cannot even read
+            raise GrammarError(f"'grammar' does not compile: {str(raised).strip()[:500]}") from None
         if matcher.is_error():
             raise GrammarError(f"'grammar' does not compile: {matcher.get_error().strip()[:500]}")
         return GrammarState(self, matcher)

@@ -254,9 +254,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         job = parse_job(body, state.loaded.fingerprint, state.cfg.block_tokens, state.loaded.config.vocab_size)
         if job.grammar is not None:  # compiling a large schema can take a while: off the event loop
-            await asyncio.to_thread(state.engine.check, job)
+            grammar = await asyncio.to_thread(state.engine.check, job)
         else:
-            state.engine.check(job)
+            grammar = state.engine.check(job)
     except BadJob as error:
         return _error(400, str(error), error.param)
     except GrammarError as error:
@@ -265,7 +265,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(400, str(error), "tokens")
     log.info("request %s: %d prompt tokens, %d hit blocks, max_tokens %d", job.request_id, job.tokens.size,
              job.hit.blocks, job.params.max_tokens)
-    events = state.engine.run(job)
+    events = state.engine.run(job, grammar)
     try:
         admitted = await events.__anext__()
     except QueueFull:

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from kvstore import extend_block_hashes
-from model.grammar import TokenGrammar, default_tokenizer_json, token_grammar
+from model.grammar import GrammarState, TokenGrammar, default_tokenizer_json, token_grammar
 from model.paged_runner import MAX_PASS_TILES, SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner, Segment
 from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, TokenLogprobs, request_seed, sample_batch
@@ -98,19 +98,20 @@ class Engine:
         g = self.loaded.config
         return token_grammar(default_tokenizer_json(self.cfg.model_dir or None), g.vocab_size, g.eos_token_id)
 
-    def check(self, job: Job) -> None:
+    def check(self, job: Job) -> GrammarState | None:
         """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context
         or for the pool, GrammarError for a grammar that does not compile. An answer that would outgrow the
-        pool is cut there ("length"), not refused."""
-        if job.grammar is not None:
-            self.grammars.check(job.grammar)
+        pool is cut there ("length"), not refused. Returns the job's grammar compiled (for `run`: a large
+        schema compiles once, where the caller chose to spend that time)."""
         self.runner.check_tokens(job.tokens, job.params.max_tokens)
         if self.scheduler.pages_for(job.tokens.size + 1) > self.pages.usable:
             raise TooLarge(f"prompt of {job.tokens.size} tokens does not fit this engine's latent pool of "
                            f"{self.pages.usable * self.B} tokens")
+        return None if job.grammar is None else self.grammars.state(job.grammar)
 
-    async def run(self, job: Job) -> AsyncIterator[dict]:
-        """The request's events: a first 'progress' (admitted to the queue), tokens, then 'done'."""
+    async def run(self, job: Job, grammar: GrammarState | None = None) -> AsyncIterator[dict]:
+        """The request's events: a first 'progress' (admitted to the queue), tokens, then 'done'. `grammar`:
+        the job's grammar as `check` compiled it (compiled here, on the event loop, when not given)."""
         if self.waiting >= self.cfg.max_queue:
             raise QueueFull()
         hashes = list(job.hit.hashes)
@@ -122,7 +123,7 @@ class Engine:
         seq = Sequence(job, request_seed(job.params), asyncio.Queue(), asyncio.get_running_loop(),
                        tokens=[int(t) for t in job.tokens], hashes=hashes)
         if job.grammar is not None:
-            seq.grammar = self.grammars.state(job.grammar)
+            seq.grammar = grammar if grammar is not None else self.grammars.state(job.grammar)
         self._count(waiting=1)
         self._inbox.put(seq)
         self._wake.set()
