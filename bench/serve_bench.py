@@ -41,6 +41,7 @@ from bench.serve_client import Client, closed_loop, percentiles, poisson, summar
 from bench.trace_format import DEFAULT_TRACE, load_trace, prompt_token_ids, scale_request, session_slice
 from bench.trace_live import TOKEN_RANGE
 from model.config import SERVING_DTYPES
+from services.common.metrics_text import Samples
 
 COMMAND = "python -m bench.serve_bench"
 
@@ -78,11 +79,9 @@ class EngineProbe:
             for url in self.urls:
                 async with session.get(url + "/metrics") as reply:
                     reply.raise_for_status()
-                    text = await reply.text()
-                for line in text.splitlines():
-                    for key, series in self.SERIES.items():
-                        if line.startswith(series + " ") or line.startswith(series + "{"):
-                            totals[key] += float(line.rsplit(" ", 1)[1])
+                    samples = Samples(await reply.text())
+                for key, series in self.SERIES.items():
+                    totals[key] += samples.total(series)  # summed over its label sets (compile stages)
         return totals
 
     @staticmethod

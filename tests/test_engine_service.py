@@ -22,6 +22,7 @@ from model.runner import ModelRunner
 from model.serving import serving_model
 from model.sampling import SamplingParams
 from model.weights import load_model
+from services.common.metrics_text import Samples
 from services.engine.openapi_document import engine_openapi_document
 from services.gateway.engine_client import EngineClient
 from tests.conftest import free_port
@@ -264,10 +265,9 @@ async def test_health_metrics_and_admin_auth(engine):
         assert "deepinfer_engine_ttft_seconds" in text and "deepinfer_engine_prefill_tokens_total" in text
         assert "deepinfer_engine_step_seconds_total" in text
         # the warm-up traced the model's shapes in this process (compiled or loaded from the cache)
-        compile_lines = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
-                         if line.startswith("deepinfer_engine_compile_seconds_total{")}
-        assert set(compile_lines) == {f'stage="{s}"' for s in ("trace", "lower", "compile", "cache_load")}
-        assert compile_lines['stage="trace"'] > 0 and compile_lines['stage="lower"'] > 0
+        compile_s = Samples(text).by("deepinfer_engine_compile_seconds_total", "stage")
+        assert set(compile_s) == {"trace", "lower", "compile", "cache_load"}
+        assert compile_s["trace"] > 0 and compile_s["lower"] > 0
 
 
 async def test_progress_events_keep_a_long_wait_alive_under_a_short_read_timeout(engine):
