@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import cpu_kernels
 from model.config import ModelConfig
 from model.mla import prefer_absorbed
 from model.runner import MIN_CHUNK, MIN_VIEW, ModelRunner, _embed, _expand, _finish, _head, _pow2
@@ -130,20 +131,23 @@ def _gather_view(pool_PBA, table_Q, dtype):
     return _view(pool_PBA, table_Q, dtype)
 
 
-def _attend_decode(attn, absorb: "Absorb", q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA, dtype) -> jax.Array:
+def _decode_queries(absorb: "Absorb", q_nope_NBH, q_pe_NBR, dtype) -> jax.Array:
+    """Absorbed queries (B, N, A) = [q_nope @ W_UK | q_pe] at `dtype`: one per sequence, against whole latents."""
+    q_lat_BNC = jnp.einsum("nbh,nhc->nbc", q_nope_NBH.astype(jnp.float32), absorb.w_uk_NHC).transpose(1, 0, 2)
+    return jnp.concatenate([q_lat_BNC, q_pe_NBR.transpose(1, 0, 2)], axis=-1).astype(dtype)
+
+
+def _attend_view(attn, q_BNA, positions_B, kv_BSA, latents_BA, dtype) -> jax.Array:
     """Absorbed MLA attention of one query per sequence over its own (S, A) view of earlier positions
-    and its own new latent (B, A), which is not in the view; returns (B, D).
+    and its own new latent (B, A), which is not in the view; returns the weighted latents (B, N, C) float32.
 
     As FlashMLA does it: keys are the whole 576-wide latent ([c_kv | k_pe], so the scores are one
     contraction and no slice of the view is copied) and values its first 512 columns; the two big
     products take `dtype` inputs (the cache dtype by default: the view is not widened) and accumulate
     and soften in float32. The new token's own key joins the softmax as one more column instead of being
-    scattered into the view, which made XLA:CPU copy the whole view every layer. The absorbed weights
-    come head-major (`Absorb`), so both absorptions are plain batched products with no per-step
-    transpose of a weight. With dtype float32 it is the dense runner's attention, summed in another order."""
-    B, S, C = kv_BSA.shape[0], kv_BSA.shape[1], attn.kv_lora_rank
-    q_lat_BNC = jnp.einsum("nbh,nhc->nbc", q_nope_NBH.astype(jnp.float32), absorb.w_uk_NHC).transpose(1, 0, 2)
-    q_BNA = jnp.concatenate([q_lat_BNC, q_pe_NBR.transpose(1, 0, 2)], axis=-1).astype(dtype)
+    scattered into the view, which made XLA:CPU copy the whole view every layer. With dtype float32 it is
+    the dense runner's attention, summed in another order."""
+    S, C = kv_BSA.shape[1], attn.kv_lora_rank
     kv_BSA, new_BA = kv_BSA.astype(dtype), latents_BA.astype(dtype)
     scores_BNS = jnp.einsum("bsa,bna->bns", kv_BSA, q_BNA, preferred_element_type=jnp.float32) * attn.scale
     scores_BNS = jnp.where((jnp.arange(S)[None, :] < positions_B[:, None])[:, None], scores_BNS, -jnp.inf)
@@ -154,7 +158,20 @@ def _attend_decode(attn, absorb: "Absorb", q_nope_NBH, q_pe_NBR, positions_B, kv
     total_BN = jnp.sum(weights_BNS, axis=-1) + own_BN
     out_BNA = jnp.einsum("bns,bsa->bna", weights_BNS.astype(dtype), kv_BSA, preferred_element_type=jnp.float32)
     out_BNA = (out_BNA + own_BN[..., None] * new_BA[:, None].astype(jnp.float32)) / total_BN[..., None]
-    out_NBV = jnp.einsum("nbc,ncv->nbv", out_BNA[..., :C].transpose(1, 0, 2), absorb.w_uv_NCV)
+    return out_BNA[..., :C]
+
+
+def _attend_pages(attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, dtype) -> jax.Array:
+    """`_attend_view`'s result computed by the CPU kernel from the pages in place (cpu_kernels): no view is
+    gathered, each page is read once for both products, and the weights stay float32."""
+    return cpu_kernels.paged_mla_decode(q_BNA, pool_PBA, tables_BQ, positions_B, latents_BA.astype(dtype),
+                                        attn.scale, attn.kv_lora_rank)
+
+
+def _attend_out(attn, absorb: "Absorb", out_BNC) -> jax.Array:
+    """The weighted latents through W_UV and the output projection: (B, D)."""
+    B = out_BNC.shape[0]
+    out_NBV = jnp.einsum("nbc,ncv->nbv", out_BNC.transpose(1, 0, 2), absorb.w_uv_NCV)
     return attn.o_proj(out_NBV.transpose(1, 0, 2).reshape(B, -1))
 
 
@@ -164,11 +181,12 @@ class Absorb(NamedTuple):
     w_uv_NCV: jax.Array
 
 
-@partial(jax.jit, static_argnums=(0, 1, 10))
+@partial(jax.jit, static_argnums=(0, 1, 10, 11))
 def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_state, pools, tokens_B, positions_B,
-                  tables_BQ, attention_dtype):
+                  tables_BQ, attention_dtype, kernel):
     """One decode token for each of B sequences through every layer: (logits (B, V) float32, the tokens'
-    latents (L, B, A)). The pools are only read here; `_write_latents` stores the new latents after: a
+    latents (L, B, A)). Attention reads the pages in place with the CPU kernel when `kernel`, else from a
+    gathered view. The pools are only read here; `_write_latents` stores the new latents after: a
     scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool."""
     x_BD = jnp.take(embed_VD, tokens_B, axis=0)
     B, Q = tables_BQ.shape
@@ -178,11 +196,15 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_st
         h_BD = layer.input_norm(x_BD)
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
         latents_BA = layer.attn.latents(h_BD, positions_B)
-        kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, Q * pool_PBA.shape[1], -1)
-        # The view as its own copy: fused into the two attention products, the gather ran inside each.
-        kv_BSA = jax.lax.optimization_barrier(kv_BSA)
-        x_BD = x_BD + _attend_decode(layer.attn, absorb, q_nope_NBH, q_pe_NBR, positions_B, kv_BSA, latents_BA,
-                                     attention_dtype)
+        q_BNA = _decode_queries(absorb, q_nope_NBH, q_pe_NBR, attention_dtype)
+        if kernel:
+            out_BNC = _attend_pages(layer.attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, attention_dtype)
+        else:
+            kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, Q * pool_PBA.shape[1], -1)
+            # The view as its own copy: fused into the two attention products, the gather ran inside each.
+            kv_BSA = jax.lax.optimization_barrier(kv_BSA)
+            out_BNC = _attend_view(layer.attn, q_BNA, positions_B, kv_BSA, latents_BA, attention_dtype)
+        x_BD = x_BD + _attend_out(layer.attn, absorb, out_BNC)
         x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
         latents.append(latents_BA)
     head = nnx.merge(head_def, head_state)
@@ -258,7 +280,8 @@ class PagedRunner:
     """The engine's model: decode batches and prefill segments over a LatentPool."""
 
     def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, chunk_tokens: int = 512,
-                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0):
+                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0,
+                 decode_kernel: bool | None = None):
         # The dense runner's weights split per layer and its chunking rule are reused as they are.
         self.dense = ModelRunner(model, cfg, chunk_tokens, attention, attention_budget_bytes)
         self.cfg, self.pool = cfg, pool
@@ -267,6 +290,15 @@ class PagedRunner:
         # Input dtype of decode attention's two big products: the cache dtype (as FlashMLA) for a model served
         # in bfloat16, float32 for one served in float32 (model/serving.py): the wider of the two.
         self.decode_attention_dtype = jnp.promote_types(model.layers[0].attn.w_uk.dtype, cfg.cache_dtype).name
+        # Decode attention from the pages in place (cpu_kernels) where the pool is on the CPU and the kernel
+        # builds; None decides so, False keeps XLA's gathered view (as on a GPU or TPU).
+        platform_name = next(iter(pool.layers[0].devices())).platform
+        ok, why = cpu_kernels.available(platform_name)
+        ok = ok and cpu_kernels.supports(cfg.latent_dim, cfg.kv_lora_rank)
+        self.decode_kernel = ok if decode_kernel is None else decode_kernel
+        if self.decode_kernel and not ok:
+            raise ValueError(f"the CPU decode kernel was asked for but is unavailable: {why or 'unsupported dims'}")
+        self._kernel_view = min(pool.num_pages - 1, -(-cfg.max_position_embeddings // self.page)) * self.page
         self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
         self._layer_states = [state for _, state in self.dense.layers]
         # Decode's absorbed weights, laid out head-major once, in float32: these products have a few
@@ -294,9 +326,14 @@ class PagedRunner:
         return table
 
     def decode_shape(self, positions: list[int]) -> tuple[int, int]:
-        """(padded batch, view rows) of a decode dispatch of sequences at these positions."""
-        return max(self.fixed_batch, _pow2(len(positions))), view_bucket(max(positions) + 1, self.page,
-                                                                           DECODE_VIEW_STEPS)
+        """(padded batch, view rows) of a decode dispatch of sequences at these positions. The kernel reads
+        only each sequence's own rows, whatever its table's width, so its tables have one width, the longest
+        sequence the pool and the model allow: one compiled shape per batch size. The gathered view reads
+        every row, so it takes DECODE_VIEW_STEPS sizes per doubling."""
+        batch = max(self.fixed_batch, _pow2(len(positions)))
+        if self.decode_kernel:
+            return batch, self._kernel_view
+        return batch, view_bucket(max(positions) + 1, self.page, DECODE_VIEW_STEPS)
 
     def decode(self, rows: list[DecodeRow]) -> jax.Array:
         """Feeds one token per sequence; returns their logits on the device, (B, V) with B >= len(rows): the
@@ -315,7 +352,7 @@ class PagedRunner:
         head_def, head_state = self.dense.head
         logits, latents = _decode_batch(self._layer_defs, head_def, self.dense.embed_VD, self._layer_states,
                                         self._absorbs, head_state, self.pool.layers, tokens, positions, tables,
-                                        self.decode_attention_dtype)
+                                        self.decode_attention_dtype, self.decode_kernel)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits
 

@@ -108,15 +108,17 @@ def engine_config(tmp_path, redis_url: str | None = None, **overrides) -> Engine
 
 @pytest.mark.parametrize("dtype, attention_dtype, tolerance", [("float32", "float32", 1e-4),
                                                                 ("bfloat16", "bfloat16", 5e-3)])
-def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, dtype, attention_dtype, tolerance):
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["cpu-kernel", "xla-view"])
+def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, dtype, attention_dtype, tolerance, decode_kernel):
     """Default mode: ragged decode batches over pages give the dense runner's logits over the same served
     model: within fp32 tolerance served in float32 with float32 decode attention, within bf16's served in
-    bfloat16 with the default (cache dtype) attention products."""
+    bfloat16 with the default (cache dtype) attention products; with decode attention by the CPU kernel
+    from the pages in place and by XLA's products over gathered views alike."""
     cfg = tiny.config
     served = serving_model(tiny.model, dtype)
     dense = ModelRunner(served, cfg)
     pool = LatentPool(cfg, 64, 64)
-    paged = PagedRunner(served, cfg, pool, chunk_tokens=64)
+    paged = PagedRunner(served, cfg, pool, chunk_tokens=64, decode_kernel=decode_kernel)
     assert paged.decode_attention_dtype == attention_dtype  # derived from the served model
     lengths, tables = [70, 200, 5], [[3, 9], [4, 7, 12, 1], [2]]
     prompts = [prompt(10 + i, n) for i, n in enumerate(lengths)]

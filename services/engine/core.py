@@ -165,6 +165,8 @@ class Engine:
                 "loading": len(s.loading), "pending_saves": len(self.saves),
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_batch": self.cfg.max_batch,
                 "batch_invariant": self.cfg.batch_invariant,
+                # "cpu-kernel": pages read in place (model/cpu_kernels.py); "xla-view": gathered dense views
+                "decode_attention": "cpu-kernel" if self.runner.decode_kernel else "xla-view",
                 "step_cost": {**self.cost.summary(), "prefill_step_ratio": self.cfg.prefill_step_ratio},
                 "pool": {"pages": self.pages.usable, "page_tokens": self.B, "tokens": self.pages.usable * self.B,
                          "bytes": self.latents.bytes, "owned_pages": self.pages.owned_pages,
@@ -588,13 +590,17 @@ class Engine:
             # Every decode batch size at short contexts, and their sampler shapes: a first compile stalls
             # every running stream for seconds (once per machine: the compilation cache keeps them).
             sizes = [1 << i for i in range(_pow2(self.cfg.max_batch).bit_length())]
+            warmed = set()
             for batch in sizes if not self.cfg.batch_invariant else sizes[-1:]:
                 for position in (16, 300, 700):
-                    if position < len(pages) * self.B:
+                    shape = self.runner.decode_shape([position] * batch)
+                    if position < len(pages) * self.B and shape not in warmed:
+                        warmed.add(shape)
                         rows = [DecodeRow(1, position, pages)] * batch
                         sample_batch(self.runner.decode(rows), [SamplingRow(_GREEDY, 0, 0)] * batch)
         finally:
             self.pages.release(pages)
-        log.info("warm: prefill %.0f tokens/s; pool %d pages (%d tokens, %.2f GiB)", self.prefill_tokens_per_s,
-                 self.pages.usable, self.pages.usable * self.B, self.latents.bytes / 2**30)
+        log.info("warm: prefill %.0f tokens/s; pool %d pages (%d tokens, %.2f GiB); decode attention: %s",
+                 self.prefill_tokens_per_s, self.pages.usable, self.pages.usable * self.B, self.latents.bytes / 2**30,
+                 "CPU kernel over pages in place" if self.runner.decode_kernel else "XLA over gathered views")
 

@@ -1,0 +1,118 @@
+"""CPU kernels of our own, as XLA FFI custom calls, built for this machine on first use.
+
+`paged_mla_decode` (kernels/paged_mla_decode.cc) is decode attention read in place from the paged latent
+pool. XLA:CPU computes the same thing from a gathered dense copy of every sequence's pages, and packs that
+copy again for each of its two products; at long contexts that was most of a decode step (BENCHMARKS.md,
+decode kernel). The kernel is compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU it
+runs on (-march=native) into the compilation cache's directory, keyed by everything that shapes the
+binary, so a machine builds it once (about 5 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0, it
+is unavailable and decode uses XLA's products: same results within fp tolerance, slower.
+
+On a GPU or TPU the kernel is never used (the runner asks `available` for its pool's platform).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "paged_mla_decode.cc"
+TARGET = "deepinfer_paged_mla_decode"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+LANES = 16  # the kernel works in vectors of 16 floats: its A and C must be multiples
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool once decided, "why": the reason when not
+
+
+def _cache_dir() -> Path:
+    jax_cache = os.environ.get("DEEPINFER_JAX_CACHE", os.path.expanduser("~/.cache/deepinfer/jax"))
+    return Path(os.environ.get("DEEPINFER_KERNEL_CACHE", os.path.join(jax_cache, "kernels")))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, compiler, JAX and CPU: from the cache, else compiled into it."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), jax.__version__,
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
+    out = _cache_dir() / f"paged_mla_decode-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the CPU decode attention kernel (once per machine): %s", out)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: engines starting together each build, one file wins
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> tuple[bool, str]:
+    if os.environ.get("DEEPINFER_CPU_KERNELS", "1") == "0":
+        return False, "disabled by DEEPINFER_CPU_KERNELS=0"
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        return False, "no C++ compiler (set CXX or install g++)"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedMlaDecode), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return False, f"build failed: {e}"
+    return True, ""
+
+
+def available(platform_name: str) -> tuple[bool, str]:
+    """Whether the decode kernel serves arrays on this platform, and if not, why (built once per process)."""
+    if platform_name != "cpu":
+        return False, f"a CPU kernel; the pool is on {platform_name}"
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"], _state["why"] = _load()
+            if not _state["ok"]:
+                log.warning("CPU decode attention kernel unavailable (%s): decode uses XLA's products", _state["why"])
+    return bool(_state["ok"]), str(_state["why"])
+
+
+def supports(latent_dim: int, value_dim: int) -> bool:
+    return latent_dim % LANES == 0 and value_dim % LANES == 0 and value_dim <= latent_dim
+
+
+def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array, lengths_B: jax.Array,
+                     fresh_BA: jax.Array, scale: float, value_dim: int) -> jax.Array:
+    """Softmax-weighted values (B, N, value_dim) float32 of each query over rows [0, lengths_B[b]) of its pages
+    in pool_PBA (raw bits: uint16 for bfloat16, uint32 for float32) and its own latent fresh_BA[b]."""
+    B, N, _ = q_BNA.shape
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N, value_dim), jnp.float32))(
+        q_BNA.astype(jnp.float32), pool_PBA, tables_BQ.astype(jnp.int32), lengths_B.astype(jnp.int32),
+        fresh_BA.astype(jnp.float32), scale=np.float32(scale))

@@ -1,0 +1,73 @@
+"""The CPU paged MLA decode kernel (model/cpu_kernels.py) against a float64 reference, and its contract:
+a sequence's result depends on its own pages and length alone, bit for bit."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import cpu_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    ok, why = cpu_kernels.available("cpu")
+    assert ok, f"the decode kernel must build on the test machine: {why}"
+
+
+def make(rng, B, N, A, C, T, P, Q, dtype):
+    pool = jnp.asarray(rng.standard_normal((P, T, A)), dtype)
+    bits = jax.lax.bitcast_convert_type(pool, jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32)
+    q = rng.standard_normal((B, N, A)).astype(np.float32)
+    fresh = rng.standard_normal((B, A)).astype(np.float32)
+    tables = rng.integers(0, P, (B, Q)).astype(np.int32)
+    lengths = rng.integers(0, Q * T + 1, B).astype(np.int32)
+    lengths[0], lengths[-1] = 0, Q * T  # only its own latent; every row of its table
+    return np.asarray(pool.astype(jnp.float32)), bits, q, tables, lengths, fresh
+
+
+def reference(pool, q, tables, lengths, fresh, scale, C):
+    out = []
+    for b in range(q.shape[0]):
+        kv = np.concatenate([pool[tables[b]].reshape(-1, pool.shape[-1])[:lengths[b]], fresh[b][None]])
+        s = q[b].astype(np.float64) @ kv.T.astype(np.float64) * scale
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out.append((w / w.sum(-1, keepdims=True)) @ kv[:, :C])
+    return np.stack(out)
+
+
+def call(q, bits, tables, lengths, fresh, scale, C):
+    return np.asarray(jax.jit(cpu_kernels.paged_mla_decode, static_argnums=(5, 6))(
+        q, bits, tables, lengths, fresh, scale, C))
+
+
+@pytest.mark.parametrize("B, N, A, C, T, P, Q, dtype", [
+    (5, 8, 576, 512, 64, 40, 7, jnp.bfloat16),  # mini's widths
+    (3, 4, 48, 32, 64, 10, 3, jnp.float32),  # tiny's, served in float32
+    (4, 13, 48, 32, 16, 10, 5, jnp.bfloat16),  # head groups of 8, 4 and 1; short pages
+    (2, 1, 32, 16, 8, 4, 3, jnp.float32),
+])
+def test_matches_a_float64_reference(B, N, A, C, T, P, Q, dtype):
+    pool, bits, q, tables, lengths, fresh = make(np.random.default_rng(B * N), B, N, A, C, T, P, Q, dtype)
+    got = call(q, bits, tables, lengths, fresh, 0.07, C)
+    want = reference(pool, q, tables, lengths, fresh, 0.07, C)
+    np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
+
+
+def test_a_sequence_gets_the_same_bits_whatever_shares_its_batch_and_however_wide_its_table():
+    rng = np.random.default_rng(1)
+    pool, bits, q, tables, lengths, fresh = make(rng, 6, 8, 576, 512, 64, 40, 4, jnp.bfloat16)
+    together = call(q, bits, tables, lengths, fresh, 0.1, 512)
+    wide = np.concatenate([tables, rng.integers(0, 40, (6, 5)).astype(np.int32)], axis=1)  # padding entries
+    for b in range(6):
+        alone = call(q[b:b + 1], bits, wide[b:b + 1], lengths[b:b + 1], fresh[b:b + 1], 0.1, 512)
+        assert np.array_equal(alone[0], together[b]), f"sequence {b} differs alone"
+
+
+@pytest.mark.parametrize("page, length, why", [(40, 64, "a page id outside the pool"),
+                                               (-1, 64, "a page id outside the pool"),
+                                               (0, 4 * 64 + 1, "a length past its table")])
+def test_a_bad_table_is_refused_not_read(page, length, why):
+    pool, bits, q, tables, lengths, fresh = make(np.random.default_rng(2), 2, 8, 576, 512, 64, 40, 4, jnp.bfloat16)
+    tables[1, 0], lengths[1] = page, length
+    with pytest.raises(Exception, match=why):
+        call(q, bits, tables, lengths, fresh, 0.1, 512)
