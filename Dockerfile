@@ -23,6 +23,12 @@ ARG PIP_NO_CACHE_DIR=1
 ARG PIP_DISABLE_PIP_VERSION_CHECK=1
 ARG PIP_DEFAULT_TIMEOUT=120
 
+# A C++ compiler: each engine builds its CPU decode attention kernel for the CPU it runs on at its first
+# start (model/cpu_kernels.py; cached in the JAX-cache volume). Without one, decode falls back to XLA's
+# slower products. A base image that has g++ already skips the download.
+RUN command -v g++ >/dev/null \
+    || (apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*)
+
 WORKDIR /app
 # Two layers: the runtime dependencies (read from pyproject.toml alone, so a change of the sources
 # or the README does not download them again), then the package itself from exactly the sources in

@@ -38,22 +38,26 @@ def measure(args) -> dict:
     default = PagedRunner(model, cfg, pool)
     invariant = PagedRunner(model, cfg, pool, fixed_batch=_pow2(args.max_batch))
     float32 = PagedRunner(serving_model(checkpoint, "float32"), cfg, pool)
+    xla_view = PagedRunner(model, cfg, pool, decode_kernel=False)  # decode attention over gathered views
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens
         default.prefill(rng.integers(0, cfg.vocab_size, args.context), 0, table, False)
     greedy = SamplingRow(SamplingParams(), 0, 0)
     out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
+           "decode_kernel": default.decode_kernel,
            "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
-        for name, runner in (("default", default), ("invariant", invariant), ("float32", float32)):
+        for name, runner in (("default", default), ("invariant", invariant), ("float32", float32),
+                             ("xla_view", xla_view)):
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
         out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name]
-                                        for name in ("default", "invariant", "float32")}
+                                        for name in ("default", "invariant", "float32", "xla_view")}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
-              f"invariant, {step['float32'] * 1000:.1f} ms float32", flush=True)
+              f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_view'] * 1000:.1f} ms xla view",
+              flush=True)
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
     table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
 
@@ -78,7 +82,8 @@ def measure(args) -> dict:
 def write(result: dict) -> None:
     rows = [[n, f"{d['default'] * 1000:.1f}", f"{d['tokens_per_s_default']:.1f}", f"{d['invariant'] * 1000:.1f}",
              f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x",
-             f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x"]
+             f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x",
+             f"{d['xla_view'] * 1000:.1f}", f"{d['xla_view'] / d['default']:.2f}x"]
             for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
     p = result["prefill"]
     one = result["decode"].get("1")
@@ -91,10 +96,14 @@ def write(result: dict) -> None:
             "repeats, all runners side by side in one process. Default and invariant: the engine's bfloat16 "
             "serving (model/serving.py: projections stored (out, in) in bfloat16, float32 accumulation; decode "
             "attention on bf16 latents); float32: the same weights served in float32 (`--dtype float32`). "
-            f"Invariant mode pads each decode batch to {result['max_batch']} rows.", "",
+            f"Invariant mode pads each decode batch to {result['max_batch']} rows. Decode attention: "
+            + ("the CPU kernel over the pages in place (model/cpu_kernels.py); xla view: the same model with "
+               "attention by XLA's products over gathered dense views (as on a GPU/TPU, or without a compiler)."
+               if result.get("decode_kernel") else "XLA's products over gathered views (the CPU kernel was "
+               "unavailable), in every column."), "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
                                    "invariant tok/s", "invariant / default", "float32 step ms",
-                                   "float32 / bfloat16"], rows), "",
+                                   "float32 / bfloat16", "xla view step ms", "xla view / default"], rows), "",
             f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
             f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
             f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
@@ -112,7 +121,7 @@ def plot(result: dict) -> str:
     import matplotlib.pyplot as plt
     ns = sorted(int(n) for n in result["decode"])
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in (("default", "o-"), ("invariant", "s--"), ("float32", "^:")):
+    for mode, style in (("default", "o-"), ("invariant", "s--"), ("float32", "^:"), ("xla_view", "x-.")):
         ax.plot(ns, [result["decode"][str(n)][f"tokens_per_s_{mode}"] for n in ns], style, label=mode)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences in the decode batch")

@@ -81,17 +81,24 @@ class LatentPool:
         bits = rows_NBA.astype(self.dtype, copy=False).view(_bits_dtype(self.dtype))  # no copy at cache dtype
         self.layers[layer] = _place_pages(self.layers[layer], jnp.asarray(pages_N), jnp.asarray(bits))
 
-    def read(self, layer: int, pages: list[int]) -> jax.Array:
-        """(len(pages) * page_tokens, A) latents of `pages` in one layer, as a device array of their bits (a
-        copy, so later steps may overwrite the pages); `host()` turns it into cache dtype off the model thread."""
+    def read(self, layer: int, pages: list[int]) -> "PageRead":
+        """The latents of `pages` in one layer as a device copy of their bits (so later steps may overwrite the
+        pages); `host()` turns it into (len(pages) * page_tokens, A) cache-dtype rows off the model thread. The
+        page list is padded to a power of two and the padding dropped on the host: a device slice per length
+        was a compile each."""
         n = len(pages)
         pages_N = np.full(_pow2(n), SCRATCH_PAGE, np.int32)
         pages_N[:n] = pages
-        return _read_pages(self.layers[layer], jnp.asarray(pages_N))[: n * self.page_tokens]
+        return PageRead(_read_pages(self.layers[layer], jnp.asarray(pages_N)), n * self.page_tokens)
 
-    def host(self, read: jax.Array) -> np.ndarray:
+    def host(self, read: "PageRead") -> np.ndarray:
         """A `read` result as a host array in cache dtype."""
-        return np.asarray(read).view(self.dtype)
+        return np.asarray(read.bits)[:read.rows].view(self.dtype)
+
+
+class PageRead(NamedTuple):
+    bits: jax.Array  # (padded pages * page_tokens, A) raw bits
+    rows: int  # rows that belong to the pages read
 
 
 @partial(jax.jit, donate_argnums=(0,))

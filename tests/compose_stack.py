@@ -265,8 +265,11 @@ def check_each_replica_serves(project: Project, answer: str) -> dict[str, str]:
         before = engine_requests(container)
         hits, text = ask(project, pin=url)
         served = engine_requests(container) - before
-        say(f"pinned to {url} ({container[:12]}): {hits} hit tokens, {served:.0f} request(s) counted there")
+        attention = engine_stats(container)["decode_attention"]
+        say(f"pinned to {url} ({container[:12]}): {hits} hit tokens, {served:.0f} request(s) counted there, "
+            f"decode attention {attention}")
         assert served == 1 and hits > 0 and text == answer, (url, served, hits, text)
+        assert attention == "cpu-kernel", "the image's g++ built the CPU decode kernel"
     return replicas
 
 

@@ -45,6 +45,7 @@ def call(q, bits, tables, lengths, fresh, scale, C):
     (3, 4, 48, 32, 64, 10, 3, jnp.float32),  # tiny's, served in float32
     (4, 13, 48, 32, 16, 10, 5, jnp.bfloat16),  # head groups of 8, 4 and 1; short pages
     (2, 1, 32, 16, 8, 4, 3, jnp.float32),
+    (3, 8, 576, 512, 64, 100, 100, jnp.bfloat16),  # up to 6,400 rows: pieces of 2,048 folded
 ])
 def test_matches_a_float64_reference(B, N, A, C, T, P, Q, dtype):
     pool, bits, q, tables, lengths, fresh = make(np.random.default_rng(B * N), B, N, A, C, T, P, Q, dtype)
@@ -55,9 +56,9 @@ def test_matches_a_float64_reference(B, N, A, C, T, P, Q, dtype):
 
 def test_a_sequence_gets_the_same_bits_whatever_shares_its_batch_and_however_wide_its_table():
     rng = np.random.default_rng(1)
-    pool, bits, q, tables, lengths, fresh = make(rng, 6, 8, 576, 512, 64, 40, 4, jnp.bfloat16)
+    pool, bits, q, tables, lengths, fresh = make(rng, 6, 8, 576, 512, 64, 40, 50, jnp.bfloat16)  # 1-2 pieces
     together = call(q, bits, tables, lengths, fresh, 0.1, 512)
-    wide = np.concatenate([tables, rng.integers(0, 40, (6, 5)).astype(np.int32)], axis=1)  # padding entries
+    wide = np.concatenate([tables, rng.integers(0, 40, (6, 9)).astype(np.int32)], axis=1)  # padding entries
     for b in range(6):
         alone = call(q[b:b + 1], bits, wide[b:b + 1], lengths[b:b + 1], fresh[b:b + 1], 0.1, 512)
         assert np.array_equal(alone[0], together[b]), f"sequence {b} differs alone"

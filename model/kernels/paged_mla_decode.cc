@@ -15,15 +15,17 @@
 // Attrs:   scale   f32   the softmax scale
 // Output:  out     f32   (B, N, C) the softmax-weighted values
 //
-// A sequence's result depends on its own inputs alone, summed in one fixed order (pages in table order,
-// online softmax per page, its own latent last): whatever else shares the batch, and however wide the
-// table is padded, its bits are the same. Sequences are spread over XLA's intra-op thread pool.
+// A sequence's result depends on its own inputs alone, summed in one fixed order (pieces of 2,048 rows,
+// each an online softmax over its pages in table order; the pieces folded in order; its own latent last):
+// whatever else shares the batch, and however wide the table is padded, its bits are the same. Pieces
+// are spread over XLA's intra-op thread pool, so one long sequence uses every core too.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -185,29 +187,65 @@ void heads_step(const Problem& p, const float* q, const float* K, int64_t rows, 
   if (h < p.N) page_step<1>(p, q, K, rows, h, s, top, total, acc);
 }
 
+constexpr int64_t kSplitRows = 2048;  // a long sequence is split into pieces of this many rows (whole pages)
+
 struct Scratch {
-  std::vector<float> page, s, top, total, acc;
-  explicit Scratch(const Problem& p)
-      : page(p.bf16 ? p.T * p.A : 0), s(8 * p.T), top(p.N), total(p.N), acc(p.N * p.C) {}
+  std::vector<float> page, s;
+  explicit Scratch(const Problem& p) : page(p.bf16 ? p.T * p.A : 0), s(8 * p.T) {}
 };
 
-void sequence(const Problem& p, int64_t b, Scratch& w) {
-  const float* q = p.q + b * p.N * p.A;
-  std::fill(w.top.begin(), w.top.end(), -std::numeric_limits<float>::infinity());
-  std::fill(w.total.begin(), w.total.end(), 0.f);
-  std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  const int64_t length = p.lengths[b];
-  for (int64_t start = 0, i = 0; start < length; start += p.T, ++i) {
-    const int64_t rows = std::min(p.T, length - start);
-    const float* K = page_rows(p, p.tables[b * p.Q + i], rows, w.page.data());
-    heads_step(p, q, K, rows, w.s.data(), w.top.data(), w.total.data(), w.acc.data());
+// One piece's online-softmax state: per head its top score, the sum of exp(score - top), and the
+// weighted values (C floats per head), all relative to top.
+struct State {
+  float* top;
+  float* total;
+  float* acc;
+  State(float* base, int64_t N) : top(base), total(base + N), acc(base + 2 * N) {}
+  void clear(const Problem& p) {
+    std::fill(top, top + p.N, -std::numeric_limits<float>::infinity());
+    std::fill(total, total + p.N, 0.f);
+    std::fill(acc, acc + p.N * p.C, 0.f);
   }
-  // Its own latent last, as one more row of one more page.
-  heads_step(p, q, p.fresh + b * p.A, 1, w.s.data(), w.top.data(), w.total.data(), w.acc.data());
+};
+
+// Rows [first, last) of sequence b (first and last on page boundaries, or last its length) into `state`.
+void piece(const Problem& p, int64_t b, int64_t first, int64_t last, Scratch& w, State state) {
+  state.clear(p);
+  const float* q = p.q + b * p.N * p.A;
+  for (int64_t start = first; start < last; start += p.T) {
+    const int64_t rows = std::min(p.T, last - start);
+    const float* K = page_rows(p, p.tables[b * p.Q + start / p.T], rows, w.page.data());
+    heads_step(p, q, K, rows, w.s.data(), state.top, state.total, state.acc);
+  }
+}
+
+// into = into (+) piece: the two softmax states as one, over the union of their rows.
+void fold(const Problem& p, State into, State piece) {
+  for (int64_t h = 0; h < p.N; ++h) {
+    if (piece.total[h] == 0.f) continue;  // an empty piece (a sequence with no earlier rows)
+    const float m = std::max(into.top[h], piece.top[h]);
+    const float a = std::exp(into.top[h] - m), b = std::exp(piece.top[h] - m);  // a = 0 while into is empty
+    into.total[h] = into.total[h] * a + piece.total[h] * b;
+    into.top[h] = m;
+    float* x = into.acc + h * p.C;
+    const float* y = piece.acc + h * p.C;
+    for (int64_t c = 0; c < p.C; ++c) x[c] = x[c] * a + y[c] * b;
+  }
+}
+
+// Sequence b's pieces folded in order, then its own latent, normalised into out.
+void finish(const Problem& p, int64_t b, int64_t first_piece, int64_t pieces, std::vector<float>& states,
+            Scratch& w) {
+  const int64_t stride = p.N * (p.C + 2);
+  std::vector<float> mine(stride);
+  State total(mine.data(), p.N);
+  total.clear(p);
+  for (int64_t i = 0; i < pieces; ++i) fold(p, total, State(states.data() + (first_piece + i) * stride, p.N));
+  heads_step(p, p.q + b * p.N * p.A, p.fresh + b * p.A, 1, w.s.data(), total.top, total.total, total.acc);
   float* out = p.out + b * p.N * p.C;
   for (int64_t h = 0; h < p.N; ++h) {
-    const float inv = 1.f / w.total[h];
-    for (int64_t c = 0; c < p.C; ++c) out[h * p.C + c] = w.acc[h * p.C + c] * inv;
+    const float inv = 1.f / total.total[h];
+    for (int64_t c = 0; c < p.C; ++c) out[h * p.C + c] = total.acc[h * p.C + c] * inv;
   }
 }
 
@@ -238,13 +276,30 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
         return ffi::Error::InvalidArgument("paged_mla_decode: a page id outside the pool");
   }
 
-  // Sequences go to whichever thread is free next; the calling thread works too.
+  // Work items are pieces of kSplitRows rows (a short sequence is one piece, an empty one an empty piece),
+  // so a long sequence alone still uses every thread. Pieces go to whichever thread is free next (the
+  // calling thread works too); whoever finishes a sequence's last piece folds its pieces, always in order:
+  // how a sequence is cut depends on its length alone, never on the batch.
+  const int64_t split = std::max<int64_t>(1, kSplitRows / p.T) * p.T;
+  std::vector<int64_t> first(p.B + 1, 0);  // sequence b's pieces are items [first[b], first[b + 1])
+  for (int64_t b = 0; b < p.B; ++b) first[b + 1] = first[b] + std::max<int64_t>(1, (p.lengths[b] + split - 1) / split);
+  const int64_t items = first[p.B];
+  std::vector<float> states(items * p.N * (p.C + 2));
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[p.B]);
+  for (int64_t b = 0; b < p.B; ++b) left[b].store(first[b + 1] - first[b]);
   std::atomic<int64_t> next{0};
-  auto work = [&p, &next] {
+  auto work = [&] {
     Scratch scratch(p);
-    for (int64_t b; (b = next.fetch_add(1)) < p.B;) sequence(p, b, scratch);
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      const int64_t start = (i - first[b]) * split;
+      piece(p, b, start, std::min<int64_t>(p.lengths[b], start + split), scratch,
+            State(states.data() + i * p.N * (p.C + 2), p.N));
+      if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        finish(p, b, first[b], first[b + 1] - first[b], states, scratch);
+    }
   };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool_threads.num_threads(), 1), p.B) - 1;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool_threads.num_threads(), 1), items) - 1;
   std::atomic<int64_t> done{0};
   for (int64_t i = 0; i < helpers; ++i)
     pool_threads.Schedule([&work, &done] {
