@@ -83,17 +83,22 @@ class TokenGrammar:
         except (ValueError, TypeError, RuntimeError) as raised:  # a grammar text llguidance cannot even read
             error = str(raised)
         if error and not error.startswith("WARNING"):
-            raise GrammarError(f"'grammar' does not compile: {error.strip()[:500]}")
+            raise _does_not_compile(error)
 
     def state(self, source: str) -> GrammarState:
         """A request's matcher (the grammar compiled against this tokenizer); GrammarError as `check`."""
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
         except (ValueError, TypeError, RuntimeError) as raised:  # a grammar text llguidance cannot even read
-            raise GrammarError(f"'grammar' does not compile: {str(raised).strip()[:500]}") from None
+            raise _does_not_compile(str(raised)) from None
         if matcher.is_error():
-            raise GrammarError(f"'grammar' does not compile: {matcher.get_error().strip()[:500]}")
+            raise _does_not_compile(matcher.get_error())
         return GrammarState(self, matcher)
+
+
+def _does_not_compile(error: str) -> GrammarError:
+    """llguidance's message for a grammar that does not compile, as the API's error (first 500 characters)."""
+    return GrammarError(f"'grammar' does not compile: {error.strip()[:500]}")
 
 
 @functools.cache
