@@ -1,11 +1,18 @@
 """The CPU paged MLA decode kernel (model/cpu_kernels.py) against a float64 reference, and its contract:
 a sequence's result depends on its own pages and length alone, bit for bit."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from model import cpu_kernels
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,3 +79,39 @@ def test_a_bad_table_is_refused_not_read(page, length, why):
     tables[1, 0], lengths[1] = page, length
     with pytest.raises(Exception, match=why):
         call(q, bits, tables, lengths, fresh, 0.1, 512)
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh process (the kernel's availability is decided once per process)."""
+    return subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(level=logging.INFO)\n" + code],
+                          env=os.environ | env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+ASK = "from model import cpu_kernels; print(cpu_kernels.available('cpu'))"
+
+
+def test_the_kernel_is_built_once_per_machine_and_loaded_after(tmp_path):
+    cache = str(tmp_path / "kernels")
+    first = python(ASK, DEEPINFER_KERNEL_CACHE=cache)
+    assert first.stdout.strip() == "(True, '')" and "building the CPU decode attention kernel" in first.stderr
+    [built] = list((tmp_path / "kernels").glob("paged_mla_decode-*.so"))  # no temporary file left behind
+    second = python(ASK, DEEPINFER_KERNEL_CACHE=cache)
+    assert second.stdout.strip() == "(True, '')" and "building" not in second.stderr
+    assert list((tmp_path / "kernels").glob("*")) == [built]
+
+
+@pytest.mark.parametrize("env, why", [({"DEEPINFER_CPU_KERNELS": "0"}, "disabled by DEEPINFER_CPU_KERNELS=0"),
+                                      ({"CXX": "/nonexistent/g++"}, "build failed")])
+def test_without_the_kernel_decode_falls_back_to_the_gathered_view_and_says_why(tmp_path, env, why):
+    done = python(ASK + "\nfrom model.config import preset\nfrom model.paged_runner import LatentPool, PagedRunner\n"
+                  "from model.serving import serving_model\nfrom model.weights import init_model\ncfg = preset('tiny')\n"
+                  "print(PagedRunner(serving_model(init_model(cfg), 'bfloat16'), cfg, LatentPool(cfg, 4, 64))"
+                  ".decode_kernel)",
+                  DEEPINFER_KERNEL_CACHE=str(tmp_path / "kernels"), **env)
+    verdict, decode_kernel = done.stdout.strip().splitlines()
+    assert verdict.startswith("(False, ") and why in verdict and decode_kernel == "False"
+    assert "CPU decode attention kernel unavailable" in done.stderr  # the operator is told, once
+
+
+def test_a_gpu_or_tpu_pool_never_takes_the_cpu_kernel():
+    assert cpu_kernels.available("gpu") == (False, "a CPU kernel; the pool is on gpu")
