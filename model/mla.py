@@ -34,21 +34,13 @@ def key_block_for(view: int, key_block: int) -> int:
     return block
 
 
-# What one multiply-add of expanding K and V from c_kv costs, in multiply-adds of attention. Measured on
-# XLA:CPU (mini, bfloat16, in-process, medians of 3): prefill of 256 tokens at 2,048 took 0.36 s absorbed
-# and 0.81 s expanded, 512 at 2,048 0.68 and 0.95 s, 1,024 at 2,048 1.69 and 1.69 s, 2,048 at 2,048 3.27
-# and 2.75 s: the break-even chunk is ~1,024 tokens where counting the expansion at 1 put it at ~170.
-EXPAND_WEIGHT = 4.0
-
-
 def prefer_absorbed(cfg: ModelConfig, T: int, S: int) -> bool:
     """Absorbed (W_UK into q, W_UV after attention) costs ~T*S*(2C+R) + T*C*(H+V) multiply-adds per head;
-    expanded (K and V materialised from c_kv) costs ~S*C*(H+V) + T*S*(H+R+V), the expansion weighted by
-    EXPAND_WEIGHT. Short chunks over long prefixes (decode, a short suffix after a hit, a prefill segment
-    among decoding streams) favour absorbed; long prefill chunks favour expanded."""
+    expanded (K and V materialised from c_kv) costs ~S*C*(H+V) + T*S*(H+R+V). Short chunks over long
+    prefixes (decode, a short suffix after a hit) favour absorbed; long prefill chunks favour expanded."""
     C, R, H, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     absorbed = T * S * (2 * C + R) + T * C * (H + V)
-    expanded = EXPAND_WEIGHT * S * C * (H + V) + T * S * (H + R + V)
+    expanded = S * C * (H + V) + T * S * (H + R + V)
     return absorbed < expanded
 
 
