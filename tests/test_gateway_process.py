@@ -2,20 +2,15 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
 
+from tests.conftest import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def wait_healthy(base: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
