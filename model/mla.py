@@ -100,7 +100,7 @@ class MLAttention(nnx.Module):
         """Keys (N, S, H + R) = [K_nope | k_pe shared by every head] and V (N, S, V) of cache rows
         [0, view), from the latents at cache precision. Done once per layer per prefill, however many
         query chunks then read them; whole keys make each chunk's scores one matmul."""
-        kv_SA = cache_SA[:view].astype(dtype)
+        kv_SA = self._rows(cache_SA[:view], dtype)
         c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
         k_nope_NSH = jnp.einsum("sc,cnh->nsh", c_SC, self.w_uk[...], preferred_element_type=jnp.float32)
         kpe_NSR = jnp.broadcast_to(kpe_SR[None], (self.num_heads, *kpe_SR.shape))
@@ -132,6 +132,14 @@ class MLAttention(nnx.Module):
         out_TX = out_NTV.astype(dtype).transpose(1, 0, 2).reshape(T, self.num_heads * self.v_dim)
         return self.o_proj(out_TX)
 
+    def _rows(self, rows_SA: jax.Array, dtype) -> jax.Array:
+        """Cache rows at `dtype`. A cache may also hand its rows over as their raw bits (a paged pool's view,
+        model/paged_runner.py): XLA:CPU turned a bfloat16 view sliced inside a vmapped loop into a float32 copy
+        of the whole view, made before the loop."""
+        if jnp.issubdtype(rows_SA.dtype, jnp.unsignedinteger):
+            rows_SA = jax.lax.bitcast_convert_type(rows_SA, jnp.dtype(self.cache_dtype))
+        return rows_SA.astype(dtype)
+
     def _absorbed_queries(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array) -> jax.Array:
         """(N, T, A) = [q_nope @ W_UK | q_pe] at the inputs' dtype: queries against whole latents, so the scores
         are one contraction over A (FlashMLA's layout). Two products, over c_kv and k_pe, summed, measured 5x
@@ -143,7 +151,7 @@ class MLAttention(nnx.Module):
         """(N, T, V): every score of the chunk at once, (N, T, view) float32."""
         dtype = q_nope_NTH.dtype
         if expanded is None:
-            kv_SA = cache_SA[:view].astype(dtype)  # attention reads the latents at cache precision
+            kv_SA = self._rows(cache_SA[:view], dtype)  # attention reads the latents at cache precision
             c_SC = kv_SA[:, : self.kv_lora_rank]
             scores_NTS = jnp.einsum("nta,sa->nts", self._absorbed_queries(q_nope_NTH, q_pe_NTR), kv_SA,
                                     preferred_element_type=jnp.float32)
@@ -174,7 +182,7 @@ class MLAttention(nnx.Module):
             acc_dims = C
 
             def scores_and_values(begin):
-                kv_BA = jax.lax.dynamic_slice_in_dim(cache_SA, begin, block).astype(dtype)
+                kv_BA = self._rows(jax.lax.dynamic_slice_in_dim(cache_SA, begin, block), dtype)
                 scores_NTB = jnp.einsum("nta,ba->ntb", q_NTA, kv_BA, preferred_element_type=jnp.float32)
                 return scores_NTB, lambda p_NTB: jnp.einsum("ntb,bc->ntc", p_NTB, kv_BA[:, :C],
                                                             preferred_element_type=jnp.float32)

@@ -231,7 +231,7 @@ def _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_
     layer = nnx.merge(graphdef, state)
     attn = layer.attn
     M, T = positions_MT.shape
-    kv_MSA = _view(pool_PBA, tables_MQ, attn.cache_dtype).reshape(M, view, -1)
+    kv_MSA = pool_PBA.at[tables_MQ].get(mode="promise_in_bounds").reshape(M, view, -1)  # raw bits: MLAttention._rows
     q_nope_MNTH = q_nope_NRH.reshape(q_nope_NRH.shape[0], M, T, -1).transpose(1, 0, 2, 3)
     q_pe_MNTR = q_pe_NRR.reshape(q_pe_NRR.shape[0], M, T, -1).transpose(1, 0, 2, 3)
 
