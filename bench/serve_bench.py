@@ -101,6 +101,8 @@ class StackRun:
             return self
         from services.launcher import Stack, StackConfig
         from tests.conftest import free_port, free_ports
+        if self.args.dir:
+            Path(self.args.dir).mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix=f"serve_bench_{self.name}_", dir=self.args.dir))
         # Every phase's stack serves the same weights (a preset's are created once under --models-dir).
         model_dir = self.args.model_dir or str(ensure_model(self.args))
