@@ -314,6 +314,12 @@ class PagedRunner:
                                 layer.attn.w_uv[...].transpose(1, 0, 2).astype(jnp.float32))
                          for layer in model.layers]
 
+    @property
+    def decode_attention(self) -> str:
+        """How decode attention reads the pool: "cpu-kernel" (pages in place, cpu_kernels) or "xla-view" (XLA's
+        products over gathered dense views)."""
+        return "cpu-kernel" if self.decode_kernel else "xla-view"
+
     def check_tokens(self, tokens: np.ndarray, extra: int = 0) -> None:
         self.dense.check_tokens(tokens, 0, extra)
 

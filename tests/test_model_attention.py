@@ -45,6 +45,33 @@ def test_blockwise_attention_equals_one_pass_over_a_cached_prefix(form, cache_dt
     np.testing.assert_array_equal(np.asarray(again), np.asarray(blockwise))
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("key_block", [0, 128])
+def test_a_cache_handed_over_as_raw_bits_attends_bit_identically(key_block, cache_dtype):
+    """A paged pool's view is its latents' raw bits (uint16 for bfloat16, uint32 for float32): attention
+    reads them as the cache dtype, in both its one-pass and blockwise loops, and in a vmapped batch of views
+    (how prefill tiles read theirs), with the same bits as the typed cache."""
+    cfg = preset("tiny", cache_dtype=cache_dtype)
+    attn = MLAttention(cfg, nnx.Rngs(params=3))
+    end = PREFIX + SUFFIX
+    view = bucket(end)
+    x_SD = jax.random.normal(jax.random.key(1), (view, cfg.hidden_size), jnp.float32)
+    positions_S = jnp.arange(view, dtype=jnp.int32)
+    cache_SA = attn.latents(x_SD, positions_S)
+    bits_SA = jax.lax.bitcast_convert_type(cache_SA, jnp.dtype(f"uint{cache_SA.dtype.itemsize * 8}"))
+    positions_T = positions_S[PREFIX:end]
+    q_nope_NTH, q_pe_NTR = attn.queries(x_SD[PREFIX:end], positions_T)
+
+    def attend(cache):
+        return attn.attend(q_nope_NTH, q_pe_NTR, positions_T, cache, view, None, key_block=key_block)
+
+    typed = attend(cache_SA)
+    assert float(jnp.abs(typed).max()) > 0
+    np.testing.assert_array_equal(np.asarray(attend(bits_SA)), np.asarray(typed))
+    batched = jax.vmap(attend)(jnp.stack([bits_SA, bits_SA]))
+    np.testing.assert_array_equal(np.asarray(batched[1]), np.asarray(typed))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = preset("tiny")  # bf16 latent cache, fp32 weights

@@ -166,7 +166,7 @@ class Engine:
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_batch": self.cfg.max_batch,
                 "batch_invariant": self.cfg.batch_invariant,
                 # "cpu-kernel": pages read in place (model/cpu_kernels.py); "xla-view": gathered dense views
-                "decode_attention": "cpu-kernel" if self.runner.decode_kernel else "xla-view",
+                "decode_attention": self.runner.decode_attention,
                 "step_cost": {**self.cost.summary(), "prefill_step_ratio": self.cfg.prefill_step_ratio},
                 "pool": {"pages": self.pages.usable, "page_tokens": self.B, "tokens": self.pages.usable * self.B,
                          "bytes": self.latents.bytes, "owned_pages": self.pages.owned_pages,
