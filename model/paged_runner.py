@@ -132,10 +132,12 @@ def _project_paged(graphdef, state, x_TD, pool_PBA, positions_T, slots_T):
     return q_nope_NTH, q_pe_NTR, _write_slots(pool_PBA, slots_T, layer.attn.latents(h_TD, positions_T))
 
 
-@partial(jax.jit, static_argnums=(2,))
-def _gather_view(pool_PBA, table_Q, dtype):
-    """One sequence's pages as a dense (Q * B, A) view at cache dtype."""
-    return _view(pool_PBA, table_Q, dtype)
+@jax.jit
+def _gather_view(pool_PBA, table_Q):
+    """One sequence's pages as a dense (Q * B, A) view of their raw bits, which attention reads as the cache dtype
+    a block at a time (MLAttention._rows): handed a bfloat16 view, XLA:CPU converted all of it to float32 before
+    the blockwise loop (at 16K rows, 12 ms a layer and a 38 MB copy) and each block back to bfloat16 inside it."""
+    return pool_PBA.at[table_Q].get(mode="promise_in_bounds").reshape(-1, pool_PBA.shape[-1])
 
 
 def _decode_queries(absorb: "Absorb", q_nope_NBH, q_pe_NBR, dtype) -> jax.Array:
@@ -452,7 +454,7 @@ class PagedRunner:
                                                                 positions[i], slots[i])
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
-            kv_SA = _gather_view(pool_PBA, table, self.pool.dtype)
+            kv_SA = _gather_view(pool_PBA, table)
             expanded = None if absorbed else _expand(graphdef, state, kv_SA, view)
             chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + i * T), views[i],
                               expanded) for i in range(count)]
