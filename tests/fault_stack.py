@@ -233,6 +233,38 @@ def chat(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120
     return reply.choices[0].message.content, reply.usage
 
 
+NEAR_TIE = 0.05  # logprob nats: how close two candidates may be for float rounding to order them either way
+
+
+def chat_logprobs(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120.0):
+    """(answer's logprob entries, usage) of one greedy chat completion through the gateway: each entry has the
+    token, its logprob and the top 2 candidates (`same_answer` compares two answers by them)."""
+    reply = client(stack, timeout_s).chat.completions.create(
+        model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+        temperature=0, logprobs=True, top_logprobs=2)
+    return reply.choices[0].logprobs.content, reply.usage
+
+
+def same_answer(first, second) -> str:
+    """'' when two greedy answers (logprob entries) are the same answer up to float rounding, else why not.
+
+    A hit and a miss, or one prompt computed among other requests and alone, sum in different orders (default
+    mode is not batch-invariant): their logprobs agree within NEAR_TIE, and their tokens agree up to the first
+    position where the first answer's top two candidates were within NEAR_TIE of each other (a near-tie that
+    rounding may order either way; past it the answers may part). A wrong latent (a torn or misplaced block)
+    moves logprobs far more than that."""
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a.token == b.token:
+            if abs(a.logprob - b.logprob) > NEAR_TIE:
+                return f"token {i} {a.token!r}: logprob {a.logprob:.4f} against {b.logprob:.4f}"
+            continue
+        close = {t.token: t.logprob for t in a.top_logprobs}
+        if b.token in close and a.logprob - close[b.token] <= NEAR_TIE:
+            return ""  # a near-tie: the answers may part from here
+        return f"token {i}: {a.token!r} against {b.token!r}, not a near-tie ({[(t.token, t.logprob) for t in a.top_logprobs]})"
+    return "" if len(first) == len(second) else f"{len(first)} tokens against {len(second)}"
+
+
 def pinned(stack: Stack, engine: int) -> dict:
     """Headers that make the gateway run a request on engine `engine` (admin only)."""
     return {"X-DeepInfer-Engine": str(engine), "X-DeepInfer-Admin-Token": stack.admin_token}
