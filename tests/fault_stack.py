@@ -227,10 +227,14 @@ def client(stack: Stack, timeout_s: float = 120.0) -> OpenAI:
 
 def chat(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120.0):
     """(answer text, usage) of one greedy chat completion through the gateway."""
-    reply = client(stack, timeout_s).chat.completions.create(
-        model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
-        temperature=0)
+    reply = _greedy(stack, content, max_tokens, timeout_s)
     return reply.choices[0].message.content, reply.usage
+
+
+def _greedy(stack: Stack, content: str, max_tokens: int, timeout_s: float, **extra):
+    return client(stack, timeout_s).chat.completions.create(
+        model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+        temperature=0, **extra)
 
 
 NEAR_TIE = 0.05  # logprob nats: how close two candidates may be for float rounding to order them either way
@@ -239,9 +243,7 @@ NEAR_TIE = 0.05  # logprob nats: how close two candidates may be for float round
 def chat_logprobs(stack: Stack, content: str, max_tokens: int = 8, timeout_s: float = 120.0):
     """(answer's logprob entries, usage) of one greedy chat completion through the gateway: each entry has the
     token, its logprob and the top 2 candidates (`same_answer` compares two answers by them)."""
-    reply = client(stack, timeout_s).chat.completions.create(
-        model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
-        temperature=0, logprobs=True, top_logprobs=2)
+    reply = _greedy(stack, content, max_tokens, timeout_s, logprobs=True, top_logprobs=2)
     return reply.choices[0].logprobs.content, reply.usage
 
 
@@ -261,7 +263,8 @@ def same_answer(first, second) -> str:
         close = {t.token: t.logprob for t in a.top_logprobs}
         if b.token in close and a.logprob - close[b.token] <= NEAR_TIE:
             return ""  # a near-tie: the answers may part from here
-        return f"token {i}: {a.token!r} against {b.token!r}, not a near-tie ({[(t.token, t.logprob) for t in a.top_logprobs]})"
+        candidates = [(t.token, t.logprob) for t in a.top_logprobs]
+        return f"token {i}: {a.token!r} against {b.token!r}, not a near-tie ({candidates})"
     return "" if len(first) == len(second) else f"{len(first)} tokens against {len(second)}"
 
 
