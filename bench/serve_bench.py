@@ -14,6 +14,11 @@ their prefix), output lengths from the trace capped at --max-output. Phases (--p
                (no disk tier, no memory tier) beside the cache-on numbers of the sweep
   interference a --long-tokens miss sent while --streams streams decode: their TPOT p99 during its
                prefill against their TPOT with nothing else running, and its TTFT against its TTFT alone
+  streams      the issue's first measurement, as a new user would try it: closed loops of 1 and
+               --stream-users users, each sending --stream-requests short prompts nobody sent before
+               (--stream-prompt tokens) for --stream-tokens tokens: output token throughput side by side.
+               The trace's workload is prefill-bound (its prompts are ~33x its outputs, scaled alike), so
+               its user sweep mostly measures prefill; this phase measures what batching decode gives
 The stacks are started here (one engine, --preset, fresh data dir each) unless --url is given. Before the
 measured runs, a warm pass (the last --warm-sessions sessions, no level's) at the sweep's highest
 concurrency compiles the shapes this workload meets, as a server that has been up a while has them; each
@@ -60,7 +65,7 @@ def workload(args) -> list[list[tuple[list[int], int]]]:
         scaled = scale_request(request, factor)
         prompt = prompt_token_ids(scaled, args.hash_tokens, TOKEN_RANGE)
         sessions.setdefault(request.hash_ids[:2], []).append((prompt, min(args.max_output, scaled.output_length)))
-    return [turns[: args.max_turns] for turns in sessions.values()]
+    return [turns[: args.max_turns or None] for turns in sessions.values()]
 
 
 class EngineProbe:
@@ -238,6 +243,33 @@ async def interference(args, url: str, result: dict) -> None:
         f"{alone.ttft_s:.1f} s ({out['long_ttft_ratio']:.2f}x)")
 
 
+async def streams(args, url: str, result: dict, probe: EngineProbe | None = None) -> None:
+    """Closed loops of 1 and --stream-users users over fresh short prompts, one after the other on one stack."""
+    rng = np.random.default_rng(12)
+    users = args.stream_users
+    out = result["streams"] = {"prompt_tokens": args.stream_prompt, "output_tokens": args.stream_tokens,
+                               "requests_per_user": args.stream_requests, "levels": {}}
+    async with Client(url) as client:
+        for c in (1, users):
+            work = [[(rng.integers(*TOKEN_RANGE, args.stream_prompt).tolist(), args.stream_tokens)
+                     for _ in range(args.stream_requests)] for _ in range(c)]
+            # A round at this width first, so its batch shapes are compiled outside the run.
+            await closed_loop(client, [[(rng.integers(*TOKEN_RANGE, args.stream_prompt).tolist(), args.stream_tokens)]
+                                       for _ in range(c)], c)
+            say(f"streams: {c} users x {args.stream_requests} requests of {args.stream_prompt} prompt tokens, "
+                f"{args.stream_tokens} output tokens")
+            before = await probe.snapshot() if probe else None
+            results, duration = await closed_loop(client, work, c)
+            summary = summarize(results, duration)
+            if probe:
+                summary["engine"] = EngineProbe.spent(before, await probe.snapshot())
+            _said(summary)
+            out["levels"][str(c)] = summary
+    levels = out["levels"]
+    out["ratio"] = levels[str(users)]["output_token_throughput"] / levels["1"]["output_token_throughput"]
+    say(f"streams: output token throughput {users} users / 1 user {out['ratio']:.2f}x")
+
+
 def _said(s: dict) -> None:
     say(f"  {s['completed']}/{s['requests']} ok in {s['duration_s']:.1f} s: {s['request_throughput']:.3f} req/s, "
         f"{s['output_token_throughput']:.2f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
@@ -257,19 +289,22 @@ async def peer_sweep(args, sessions, result: dict) -> None:
 def measure(args) -> dict:
     sessions = workload(args)
     result = {"machine": report.machine(), "preset": args.preset, "dtype": args.dtype, "hash_tokens": args.hash_tokens,
-              "max_output": args.max_output, "sessions": len(sessions), "warm_sessions": args.warm_sessions,
+              "max_output": args.max_output, "max_turns": args.max_turns, "sessions": len(sessions),
+              "warm_sessions": args.warm_sessions,
               "requests": sum(map(len, sessions)),
               "prompt_tokens_median": statistics.median(len(p) for s in sessions for p, _ in s),
               "load_average_start": os.getloadavg()[0], "phases": args.phases}
     say(f"{len(sessions)} sessions, {result['requests']} requests, median prompt {result['prompt_tokens_median']} "
         "tokens")
     begin = time.perf_counter()
-    if "sweep" in args.phases or "interference" in args.phases:
+    if {"sweep", "interference", "streams"} & set(args.phases):
         with StackRun(args, cache=True, name="on") as run:
             if "sweep" in args.phases:
                 asyncio.run(sweep(args, run.url, sessions, result, run.probe))
             if "interference" in args.phases:
                 asyncio.run(interference(args, run.url, result))
+            if "streams" in args.phases:
+                asyncio.run(streams(args, run.url, result, run.probe))
     if "cache" in args.phases:
         with StackRun(args, cache=False, name="off") as run:
             asyncio.run(cache_off(args, run.url, sessions, result, run.probe))
@@ -292,7 +327,7 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--trace-limit", type=int, default=12031, help="trace records read to pick sessions from")
     p.add_argument("--sessions", type=int, default=140)
     p.add_argument("--min-turns", type=int, default=3)
-    p.add_argument("--max-turns", type=int, default=3, help="turns per session sent")
+    p.add_argument("--max-turns", type=int, default=0, help="turns per session sent (0: every turn)")
     p.add_argument("--min-sessions", type=int, default=4, help="sessions per closed-loop run at least")
     p.add_argument("--warm-sessions", type=int, default=16,
                    help="sessions of the warm pass before the measured runs (the last ones; 0: none)")
@@ -303,9 +338,12 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--rate-requests", type=int, default=48)
     p.add_argument("--cache-concurrency", type=int, default=16)
     p.add_argument("--streams", type=int, default=15)
-    p.add_argument("--stream-tokens", type=int, default=32, help="tokens per stream when idle")
+    p.add_argument("--stream-tokens", type=int, default=32, help="output tokens per stream request")
+    p.add_argument("--stream-prompt", type=int, default=64, help="prompt tokens per stream request")
+    p.add_argument("--stream-users", type=int, default=16, help="users of the streams phase's wide run")
+    p.add_argument("--stream-requests", type=int, default=4, help="requests per user in the streams phase")
     p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference"])
+    p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference", "streams"])
     p.add_argument("--batch-invariant", action="store_true")
     p.add_argument("--dtype", default="bfloat16", choices=SERVING_DTYPES, help="the engines' serving dtype")
     p.add_argument("--peer-url", default="", help="also run the sweep against this OpenAI-compatible server")

@@ -2,7 +2,7 @@
 import json
 import math
 
-from bench import decode_bench, prefill_passes, report, serve_bench
+from bench import decode_bench, prefill_passes, report, serve_bench, serve_report
 from bench.serve_client import Result, percentiles, summarize
 
 
@@ -20,8 +20,9 @@ def test_serve_bench_runs_sessions_through_a_real_stack(tmp_path):
     assert serve_bench.main(["--preset", "tiny", "--models-dir", str(tmp_path / "models"), "--dir", str(tmp_path),
                              "--sessions", "12", "--concurrency", "1,2", "--cache-concurrency", "2",
                              "--min-sessions", "2", "--warm-sessions", "2", "--max-turns", "2", "--max-output", "4", "--rate", "4",
-                             "--rate-requests", "3", "--phases", "sweep,cache", "--name", "serve_smoke",
-                             "--no-report"]) == 0
+                             "--rate-requests", "3", "--phases", "sweep,cache,streams", "--stream-users", "2",
+                             "--stream-requests", "2", "--stream-prompt", "16", "--stream-tokens", "4",
+                             "--name", "serve_smoke", "--no-report"]) == 0
     result = json.loads((report.OUT / "serve_smoke.json").read_text())
     for run in (result["sweep"]["1"], result["sweep"]["2"], result["poisson"], result["cache_off"]["2"]):
         assert run["completed"] == run["requests"] > 0, run["first_error"]
@@ -31,6 +32,14 @@ def test_serve_bench_runs_sessions_through_a_real_stack(tmp_path):
         assert 0 < engine["prefill_s"] + engine["decode_s"] <= engine["busy_s"] and engine["compile_s"] >= 0
     # Second turns extend first turns: with the cache on they hit, with it off nothing does.
     assert result["sweep"]["2"]["hit_tokens"] > 0 and result["cache_off"]["2"]["hit_tokens"] == 0
+    # The streams phase: fresh short prompts at 1 and 2 users, every answer whole.
+    levels = result["streams"]["levels"]
+    for c in ("1", "2"):
+        assert levels[c]["completed"] == levels[c]["requests"] == 2 * int(c), levels[c]["first_error"]
+        assert 0 < levels[c]["total_output_tokens"] <= 4 * 2 * int(c) and levels[c]["hit_tokens"] == 0
+    goals = serve_report.goals(result)
+    assert any("short prompts" in line and "2 users / 1 user" in line for line in goals)
+    assert any("cache on / off" in line and "ceiling on this workload" in line for line in goals)
 
 
 def test_decode_bench_measures_both_modes():
