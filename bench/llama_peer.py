@@ -83,18 +83,21 @@ def same_weights(url: str, ours: Path, dtype: str, prompt: list[int], n: int = 6
 class LlamaServer:
     """llama-server on a free port, stopped on exit."""
 
-    def __init__(self, binary: Path, gguf: Path, parallel: int, threads: int, context: int, alias: str):
-        self.port = free_port()
+    def __init__(self, binary: Path, gguf: Path, parallel: int, threads: int, context: int, alias: str, log: Path,
+                 extra: tuple[str, ...] = (), port: int = 0):
+        self.port, self.log = port or free_port(), log
         self.cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(parallel),
-                    "-t", str(threads), "-c", str(context), "--alias", alias, "--cont-batching"]
+                    "-t", str(threads), "-c", str(context), "--alias", alias, "--cont-batching", *extra]
 
     def __enter__(self) -> str:
-        say(" ".join(self.cmd))
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        say(" ".join(self.cmd) + f" (its log: {self.log})")
+        # Its log goes to a file: a pipe nobody reads fills up and stops the server mid-run.
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited: {self.proc.stderr.read()[-2000:]}")
+                raise SystemExit(f"llama-server exited: {self.log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
                     if response.status == 200:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import serve_bench
 
     with LlamaServer(binary, gguf, args.parallel, args.threads, args.slot_context * args.parallel,
-                     args.preset) as url:
+                     args.preset, out / "llama-server.log") as url:
         # Checked against our runner at the peer's dtype: greedy tokens of two dtypes may differ.
         theirs, mine = same_weights(url, ours, {"bf16": "bfloat16", "f32": "float32"}[args.gguf_type], [1, 2, 3, 4, 5])
         if theirs != mine:

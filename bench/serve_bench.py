@@ -244,30 +244,44 @@ async def interference(args, url: str, result: dict) -> None:
 
 
 async def streams(args, url: str, result: dict, probe: EngineProbe | None = None) -> None:
-    """Closed loops of 1 and --stream-users users over fresh short prompts, one after the other on one stack."""
-    rng = np.random.default_rng(12)
+    """Closed loops of 1 and --stream-users users over fresh short prompts, one after the other on one stack;
+    with --peer-url the peer runs each level right after ours, on the same prompts."""
     users = args.stream_users
     out = result["streams"] = {"prompt_tokens": args.stream_prompt, "output_tokens": args.stream_tokens,
                                "requests_per_user": args.stream_requests, "levels": {}}
-    async with Client(url) as client:
-        for c in (1, users):
-            work = [[(rng.integers(*TOKEN_RANGE, args.stream_prompt).tolist(), args.stream_tokens)
-                     for _ in range(args.stream_requests)] for _ in range(c)]
-            # A round at this width first, so its batch shapes are compiled outside the run.
-            await closed_loop(client, [[(rng.integers(*TOKEN_RANGE, args.stream_prompt).tolist(), args.stream_tokens)]
-                                       for _ in range(c)], c)
-            say(f"streams: {c} users x {args.stream_requests} requests of {args.stream_prompt} prompt tokens, "
-                f"{args.stream_tokens} output tokens")
-            before = await probe.snapshot() if probe else None
-            results, duration = await closed_loop(client, work, c)
-            summary = summarize(results, duration)
-            if probe:
-                summary["engine"] = EngineProbe.spent(before, await probe.snapshot())
-            _said(summary)
-            out["levels"][str(c)] = summary
-    levels = out["levels"]
-    out["ratio"] = levels[str(users)]["output_token_throughput"] / levels["1"]["output_token_throughput"]
-    say(f"streams: output token throughput {users} users / 1 user {out['ratio']:.2f}x")
+    if args.peer_url:
+        out["peer"] = {"name": args.peer_name, "levels": {}}
+    for c in (1, users):
+        rng = np.random.default_rng(12 + c)  # the same prompts for us and the peer
+        warm = [[(rng.integers(*TOKEN_RANGE, args.stream_prompt).tolist(), args.stream_tokens)] for _ in range(c)]
+        work = [[(rng.integers(*TOKEN_RANGE, args.stream_prompt).tolist(), args.stream_tokens)
+                 for _ in range(args.stream_requests)] for _ in range(c)]
+        async with Client(url) as client:
+            out["levels"][str(c)] = await _stream_level(client, warm, work, "", probe)
+        if args.peer_url:
+            async with Client(args.peer_url, model=args.peer_model, fresh_connections=True) as peer:
+                out["peer"]["levels"][str(c)] = await _stream_level(peer, warm, work, f"{args.peer_name}: ")
+    for side in (out, out.get("peer")):
+        if side:
+            levels = side["levels"]
+            side["ratio"] = levels[str(users)]["output_token_throughput"] / levels["1"]["output_token_throughput"]
+            say(f"streams: {side.get('name', 'DeepInfer')} output token throughput {users} users / 1 user "
+                f"{side['ratio']:.2f}x")
+
+
+async def _stream_level(client: Client, warm, work, label: str, probe: EngineProbe | None = None) -> dict:
+    """A round at this width first (its batch shapes compiled outside the run), then the measured closed loop."""
+    await closed_loop(client, warm, len(warm))
+    n = work[0][0]
+    say(f"{label}streams: {len(work)} users x {len(work[0])} requests of {len(n[0])} prompt tokens, {n[1]} output "
+        "tokens")
+    before = await probe.snapshot() if probe else None
+    results, duration = await closed_loop(client, work, len(work))
+    summary = summarize(results, duration)
+    if probe:
+        summary["engine"] = EngineProbe.spent(before, await probe.snapshot())
+    _said(summary)
+    return summary
 
 
 def _said(s: dict) -> None:
@@ -308,7 +322,7 @@ def measure(args) -> dict:
     if "cache" in args.phases:
         with StackRun(args, cache=False, name="off") as run:
             asyncio.run(cache_off(args, run.url, sessions, result, run.probe))
-    if args.peer_url and "sweep" not in args.phases:
+    if args.peer_url and not {"sweep", "streams"} & set(args.phases):
         asyncio.run(peer_sweep(args, sessions, result))
     result["wall_s"] = time.perf_counter() - begin
     result["load_average_end"] = os.getloadavg()[0]

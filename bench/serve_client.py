@@ -61,11 +61,12 @@ class Client:
         await self._session.close()
 
     async def complete(self, prompt: list[int], max_tokens: int, headers: dict | None = None,
-                       first_token: asyncio.Event | None = None, times: list[float] | None = None) -> Result:
+                       first_token: asyncio.Event | None = None, times: list[float] | None = None,
+                       extra: dict | None = None) -> Result:
         """One streamed request; `times`, if given, receives each token's arrival as it comes (so a
-        request cancelled midway still shows when its tokens came)."""
+        request cancelled midway still shows when its tokens came); `extra`: more body fields (a peer's own)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}} | (extra or {})
         send = self.now()
         times = [] if times is None else times
         hit, output, error, finished = 0, 0, "", False
@@ -85,7 +86,9 @@ class Client:
                     usage = chunk.get("usage")
                     if usage:
                         finished = True
-                        hit = int(usage.get("prompt_cache_hit_tokens") or 0)
+                        # DeepSeek's field, else OpenAI's (llama-server's)
+                        hit = int(usage.get("prompt_cache_hit_tokens")
+                                  or (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                         output = int(usage.get("completion_tokens") or len(times))
         except Exception as e:  # noqa: BLE001 - counted per request; the run goes on
             error = f"{type(e).__name__}: {e}"[:300]

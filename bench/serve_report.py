@@ -51,6 +51,15 @@ def goals(result: dict) -> list[str]:
         users = max(chat["levels"], key=int)
         lines.append(f"- short prompts, output token throughput, {users} users / 1 user: **{chat['ratio']:.2f}x** "
                      "(the issue's first measurement; goal >= 8x)")
+        if "peer" in chat:
+            peer = chat["peer"]
+            ours, theirs = chat["levels"], peer["levels"]
+            lines.append(f"- short prompts, {peer['name']}: {users} users / 1 user {peer['ratio']:.2f}x; DeepInfer / "
+                         f"{peer['name']} output token throughput at {users} users: "
+                         f"**{ours[users]['output_token_throughput'] / theirs[users]['output_token_throughput']:.2f}x**, "
+                         f"at 1 user (decode tokens/s of one stream): "
+                         f"**{ours['1']['output_token_throughput'] / theirs['1']['output_token_throughput']:.2f}x** "
+                         "(goal > 1x)")
     peer = result.get("peer", {}).get("sweep", {})
     if "16" in peer and "16" in sweep:
         lines.append(f"- output token throughput at 16 users, DeepInfer / {result['peer']['name']}: "
@@ -168,15 +177,20 @@ def write(result: dict, name: str) -> None:
               f"{inter['long_together_ttft_s']:.1f}"]]), ""]
     chat = result.get("streams")
     if chat:
-        levels = sorted(chat["levels"].items(), key=lambda kv: int(kv[0]))
+        levels = [(f"{c} users", s) for c, s in sorted(chat["levels"].items(), key=lambda kv: int(kv[0]))]
+        if "peer" in chat:
+            levels += [(f"{chat['peer']['name']}: {c} users", s)
+                       for c, s in sorted(chat["peer"]["levels"].items(), key=lambda kv: int(kv[0]))]
         body += [f"Short prompts (the issue's first measurement): each user sends {chat['requests_per_user']} prompts "
                  f"of {chat['prompt_tokens']} tokens nobody sent before, {chat['output_tokens']} output tokens each, "
                  "one after another; a round at each width first compiles its shapes.", "",
-                 report.markdown_table(HEADER, [_row(f"{c} users", s) for c, s in levels]), "",
-                 report.markdown_table(ENGINE_HEADER, _engine_rows([(f"{c} users", s) for c, s in levels])), ""]
+                 report.markdown_table(HEADER, [_row(label, s) for label, s in levels]), "",
+                 report.markdown_table(ENGINE_HEADER, _engine_rows(levels)), ""]
     body += ["Goals, as measured in this run:", *goals(result), ""]
     body += [f"![serve_bench](bench/results/{image})" for image in images]
     title = "Serving (serve_bench)" if "sweep" in result["phases"] else "Serving: a long prefill among streams (serve_bench)"
+    if result["phases"] == ["streams"]:
+        title = "Serving: short prompts (serve_bench)"
     if peer:
         title = f"Serving beside {peer['name']} (llama_peer + serve_bench)"
     report.update_section(title, "\n".join(body))
