@@ -117,6 +117,10 @@ class StackRun:
                           batch_invariant=self.args.batch_invariant, dtype=self.args.dtype)
         say(f"starting a stack ({'cache on' if self.cache else 'cache off'}) in {self.dir}")
         os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
+        # The bench's users share one API key: the gateway's per-key limit (16 by default) would turn the
+        # 64-user level's requests past 16 into 429s.
+        users = max([*self.args.concurrency, self.args.cache_concurrency, self.args.stream_users, self.args.streams + 1])
+        os.environ.setdefault("DEEPINFER_GATEWAY_KEY_MAX_CONCURRENT", str(max(16, users)))
         self.stack = Stack(cfg, quiet=True).start()
         self.url, self.probe = self.stack.gateway_url, EngineProbe(self.stack.engine_urls, self.stack.admin_token)
         return self
