@@ -382,14 +382,16 @@ class PagedRunner:
         feed-forward product (one product of all rows instead of one per sequence). Rows go in tiles of one
         page (a segment takes whole tiles, its last one padded); each tile attends over its own sequence's
         pages, so segments of any lengths and positions mix with at most a tile's padding each. The tile count
-        is padded to a power of two, the view is the longest segment's. Writes the latents into the pages;
-        returns the logits (K, V) at each segment's last token, dispatched (rows past len(segments) repeat
-        the last)."""
+        is the segments' own (up to MAX_PASS_TILES shapes per view): padded to a power of two, the padding tiles
+        ran the whole blockwise loop like the others (it is vmapped over tiles), which cost 42% of a pass of
+        five 64-token segments at 1K context (437 ms against 254). The view is the longest segment's. Writes
+        the latents into the pages; returns the logits (K, V) at each segment's last token, dispatched (rows
+        past len(segments) repeat the last)."""
         B = self.page
         counts = [-(-s.tokens.size // B) for s in segments]
         if sum(counts) > MAX_PASS_TILES:
             raise ValueError(f"{sum(counts)} tiles do not fit one pass of {MAX_PASS_TILES}")
-        M = _pow2(sum(counts))
+        M = sum(counts)
         ends = [s.start + s.tokens.size for s in segments]
         view = view_bucket(max(ends), B)
         tokens_MT = np.zeros((M, B), np.int32)
