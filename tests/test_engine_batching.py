@@ -1,13 +1,15 @@
 """The serving engine in-process (tiny model, its real model thread): batching, invariance, preemption,
 interleaving, cancellation and page accounting, with a real Valkey index and real volumes for disk hits."""
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, miss, open_redis
 from model.config import preset
-from model.paged_runner import DECODE_VIEW_STEPS, DecodeRow, LatentPool, PagedRunner, Segment, view_bucket
+from model.paged_runner import (DECODE_VIEW_STEPS, MAX_PASS_TILES, DecodeRow, LatentPool, PagedRunner, Segment,
+                                view_bucket)
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
 from model.serving import serving_model
@@ -16,7 +18,7 @@ from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.core import Engine
 from services.engine.engine_metrics import EngineMetrics
-from services.engine.sequence import Job
+from services.engine.sequence import Job, Sequence
 
 SALT = "5a" * 16
 VOCAB = 129_280
@@ -190,6 +192,26 @@ def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny)
     with pytest.raises(ValueError, match="tiles do not fit one pass"):
         paged.prefill_segments([Segment(prompt(1, 192), 0, [1, 2, 3])] * 3)
     assert not paged.batchable(256, 256)  # a long segment computes alone (faster there)
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_a_steps_short_segments_share_passes_by_context_and_long_ones_go_alone(tiny, tmp_path, invariant):
+    """Engine._prefill_passes: short segments packed in order of where they end, up to MAX_PASS_TILES tiles a
+    pass (a pass's tiles all loop over as many key blocks as its longest one's); a segment too long to batch
+    alone; every segment in exactly one pass. In batch-invariant mode every segment goes alone, in order."""
+    runner = PagedRunner(serving_model(tiny.model, "float32"), tiny.config, LatentPool(tiny.config, 8, 64))
+    engine = SimpleNamespace(cfg=engine_config(tmp_path, "", batch_invariant=invariant), runner=runner, B=64)
+    ends = [1900, 100, 1500, 300, 700, 64, 1200, 900, 2000, 500]
+    segments = [(Sequence(None, 0, None, None, computed=end - 64), 64) for end in ends]
+    segments.insert(3, (Sequence(None, 0, None, None, computed=100), 512))  # too long to batch
+    passes = Engine._prefill_passes(engine, segments)
+    assert sorted(id(seq) for group in passes for seq, _ in group) == sorted(id(seq) for seq, _ in segments)
+    if invariant:
+        assert passes == [[item] for item in segments]
+        return
+    assert passes[-1] == [segments[3]] and all(len(group) <= MAX_PASS_TILES for group in passes[:-1])
+    packed = [seq.computed + n for group in passes[:-1] for seq, n in group]
+    assert packed == sorted(ends) and [len(group) for group in passes[:-1]] == [8, 2]
 
 
 @pytest.mark.parametrize("kind", ["miss", "memory", "disk"])

