@@ -433,17 +433,17 @@ class PagedRunner:
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
             raise ValueError(f"{len(pages)} pages cannot hold {end} tokens")
-        T = 1 if n == 1 else min(self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
-        count = -(-n // T)
-        padded = np.pad(tokens, (0, count * T - n))
-        chunks = [_embed(self.dense.embed_VD, jnp.asarray(padded[i * T:(i + 1) * T], jnp.int32))
-                  for i in range(count)]
-        positions = [start + i * T + np.arange(T, dtype=np.int32) for i in range(count)]
+        sizes = self._chunk_sizes(n, end)
+        offsets = np.cumsum([0, *sizes[:-1]]).tolist()  # each chunk's first token, from start
+        padded = np.pad(tokens, (0, sum(sizes) - n))
+        chunks = [_embed(self.dense.embed_VD, jnp.asarray(padded[o:o + T], jnp.int32)) for o, T in zip(offsets, sizes)]
+        positions = [start + o + np.arange(T, dtype=np.int32) for o, T in zip(offsets, sizes)]
         slots = [jnp.asarray(self._slots(p, pages, end)) for p in positions]
         positions = [jnp.asarray(p) for p in positions]
+        count = len(sizes)
         view = view_bucket(end, self.page)
         table = jnp.asarray(self._table(pages, view))
-        views = [min(view, view_bucket(start + (i + 1) * T, self.page)) for i in range(count)]
+        views = [min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
         absorbed = (prefer_absorbed(self.cfg, n, view) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         for layer in range(self.cfg.num_layers):
@@ -457,9 +457,20 @@ class PagedRunner:
             self.pool.layers[layer] = pool_PBA
             kv_SA = _gather_view(pool_PBA, table)
             expanded = None if absorbed else _expand(graphdef, state, kv_SA, view)
-            chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + i * T), views[i],
+            chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
                               expanded) for i in range(count)]
         if not want_logits:
             return chunks[-1]
         graphdef, state = self.dense.head
-        return _head(graphdef, state, chunks[-1], np.int32((n - 1) - (count - 1) * T))
+        return _head(graphdef, state, chunks[-1], np.int32((n - 1) - offsets[-1]))
+
+    def _chunk_sizes(self, n: int, end: int) -> list[int]:
+        """Rows of each chunk of an n-token segment ending at `end`: chunks of the dense runner's size (a power of
+        two), the last one cut to the rest in whole pages (a power of two up to a page). Padded to a power of two,
+        a 300-token segment cost what 512 tokens do (167 against 174 ms on `mini`) and 600 what 1,024 do."""
+        if n == 1:
+            return [1]
+        T = min(self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
+        rest = n - (-(-n // T) - 1) * T
+        last = _pow2(max(rest, MIN_CHUNK)) if rest <= self.page else -(-rest // self.page) * self.page
+        return [T] * (-(-n // T) - 1) + [min(T, last)]

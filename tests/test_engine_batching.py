@@ -152,6 +152,21 @@ def test_view_buckets_are_powers_of_two_for_prefill_and_finer_for_decode():
     assert all(n <= v <= 1.25 * n for n, v in zip(lengths, decode) if n > 512) and all(v % 64 == 0 for v in decode)
 
 
+def test_a_segments_last_chunk_is_cut_to_its_rest_in_whole_pages_and_matches_the_dense_runner(tiny):
+    """PagedRunner.prefill: chunks of the dense runner's size, the last one cut to the rest (a power of two up to
+    a page, whole pages beyond), not padded to a power of two; the logits are the dense runner's either way."""
+    cfg = tiny.config
+    served = serving_model(tiny.model, "float32")
+    paged = PagedRunner(served, cfg, LatentPool(cfg, 32, 64), chunk_tokens=256)
+    assert [paged._chunk_sizes(n, n) for n in (1, 20, 64, 190, 300, 600)] == [
+        [1], [32], [64], [192], [256, 64], [256, 256, 128]]
+    dense = ModelRunner(served, cfg, chunk_tokens=256)
+    for i, (n, table) in enumerate([(300, [1, 2, 3, 4, 5]), (190, [6, 7, 8, 9])]):
+        p = prompt(80 + i, n)
+        want = dense.prefill(p).logits
+        np.testing.assert_allclose(np.asarray(paged.prefill(p, 0, table, True)), want, atol=1e-4 * np.abs(want).max())
+
+
 def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny):
     """PagedRunner.prefill_segments: segments of several sequences (lengths that fill tiles partly, positions
     after a prefix already in their pages) in one pass give each one's logits and latents as computed alone
