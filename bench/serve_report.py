@@ -101,6 +101,12 @@ def plots(result: dict, name: str) -> list[str]:
             pcs = sorted(int(c) for c in peer)
             a.plot(pcs, [peer[str(c)]["output_token_throughput"] for c in pcs], "s--",
                    label=result["peer"]["name"])
+        chat = result.get("streams")
+        for side, style, label in ((chat, "^-", "DeepInfer, short prompts"),
+                                   ((chat or {}).get("peer"), "v:", f"{peer_name(result)}, short prompts")):
+            if side:
+                ucs = sorted(int(c) for c in side["levels"])
+                a.plot(ucs, [side["levels"][str(c)]["output_token_throughput"] for c in ucs], style, label=label)
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrent users (closed loop)")
         a.set_ylabel("output tokens/s")
@@ -126,6 +132,10 @@ def plots(result: dict, name: str) -> list[str]:
         plt.close(fig)
         made.append(path.name)
     return made
+
+
+def peer_name(result: dict) -> str:
+    return result.get("peer", {}).get("name") or result.get("streams", {}).get("peer", {}).get("name", "peer")
 
 
 def report_plt():
