@@ -80,6 +80,31 @@ def same_weights(url: str, ours: Path, dtype: str, prompt: list[int], n: int = 6
     return theirs, mine
 
 
+def add_peer_arguments(p: argparse.ArgumentParser, gguf_type: str) -> None:
+    """The flags every peer step takes: where llama.cpp is, the preset, where the weights are kept, the peer's
+    threads and weight type."""
+    p.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", ""),
+                   help="llama.cpp source dir with build/bin/llama-server (or $LLAMA_CPP_DIR)")
+    p.add_argument("--preset", default="mini")
+    p.add_argument("--out", default="bench/out/llama_peer", help="where the checkpoints and the GGUF are kept")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--gguf-type", default=gguf_type, choices=["bf16", "f32"], help="the peer's weights")
+
+
+def peer_files(args) -> tuple[Path, Path, Path]:
+    """(llama-server binary, DeepInfer model dir, GGUF) from `add_peer_arguments`' flags; the weights are made
+    once (`prepare`)."""
+    if not args.llama_dir:
+        raise SystemExit("give --llama-dir (llama.cpp's source dir, built) or set LLAMA_CPP_DIR")
+    llama_dir = Path(args.llama_dir)
+    binary = llama_dir / "build" / "bin" / "llama-server"
+    if not binary.exists():
+        raise SystemExit(f"{binary} is missing: build llama.cpp first (see bench.llama_peer's docstring)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return (binary, *prepare(args.preset, out, llama_dir, args.gguf_type))
+
+
 class LlamaServer:
     """llama-server on a free port, stopped on exit."""
 
@@ -118,25 +143,13 @@ class LlamaServer:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="llama_peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", ""),
-                   help="llama.cpp source dir with build/bin/llama-server (or $LLAMA_CPP_DIR)")
-    p.add_argument("--preset", default="mini")
-    p.add_argument("--out", default="bench/out/llama_peer", help="where the checkpoints and the GGUF are kept")
+    add_peer_arguments(p, gguf_type="bf16")
     p.add_argument("--parallel", type=int, default=16, help="llama-server -np (slots)")
-    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--slot-context", type=int, default=4096, help="context per slot (-c = this x --parallel)")
     p.add_argument("--dtype", default="bfloat16", choices=SERVING_DTYPES, help="DeepInfer's serving dtype")
-    p.add_argument("--gguf-type", default="bf16", choices=["bf16", "f32"], help="the peer's weights")
     args, serve_args = p.parse_known_args(argv)
-    if not args.llama_dir:
-        raise SystemExit("give --llama-dir (llama.cpp's source dir, built) or set LLAMA_CPP_DIR")
-    llama_dir = Path(args.llama_dir)
-    binary = llama_dir / "build" / "bin" / "llama-server"
-    if not binary.exists():
-        raise SystemExit(f"{binary} is missing: build llama.cpp first (see this module's docstring)")
+    binary, ours, gguf = peer_files(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ours, gguf = prepare(args.preset, out, llama_dir, args.gguf_type)
     from bench import serve_bench
 
     with LlamaServer(binary, gguf, args.parallel, args.threads, args.slot_context * args.parallel,

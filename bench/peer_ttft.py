@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -32,7 +33,7 @@ import numpy as np
 
 from bench import report
 from bench.kv_bench import drop_caches, free_port
-from bench.llama_peer import LlamaServer, prepare, same_weights
+from bench.llama_peer import LlamaServer, add_peer_arguments, peer_files, same_weights
 from bench.serve_client import Client, Result
 from bench.trace_live import TOKEN_RANGE
 from bench.ttft_client import GatewayDriver
@@ -159,7 +160,10 @@ def write_report(result: dict, name: str) -> None:
         hits = f"{med(us['hit_tokens'][point]):.0f} / {med(peer['hit_tokens'][point]):.0f}"
         rows.append([label, f"{med(a):.3f} ({min(a):.3f}-{max(a):.3f})", f"{med(b):.3f} ({min(b):.3f}-{max(b):.3f})",
                      f"{med(b) / med(a):.2f}x", hits])
-    plt = _plt()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(POINTS))
     ax.bar(x - 0.2, [med(us[p]) for p in POINTS], 0.4, label="DeepInfer")
@@ -170,11 +174,7 @@ def write_report(result: dict, name: str) -> None:
     ax.set_title(f"{result['tokens']} + {result['suffix']} tokens, {result['preset']}: {result['machine']}", fontsize=8)
     ax.legend()
     ax.grid(alpha=0.3, which="both", axis="y")
-    fig.tight_layout()
-    image = report.RESULTS / f"{name}.png"
-    image.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(image, dpi=110)
-    plt.close(fig)
+    image = report.save_figure(fig, f"{name}.png")
     body = [f"Command: `{result['command']}` ({result['wall_s'] / 60:.0f} min; load average "
             f"{result['load_average_start']:.1f} at the start, {result['load_average_end']:.1f} at the end).",
             f"Machine: {result['machine']}. Model `{result['preset']}`, the same random weights in both: DeepInfer "
@@ -188,26 +188,14 @@ def write_report(result: dict, name: str) -> None:
             f"{result['dropped']}); llama-server's is a slot restore from --slot-save-path plus the request.", "",
             report.markdown_table(["point", "DeepInfer TTFT s", f"{result['peer_name']} TTFT s",
                                    f"{result['peer_name']} / DeepInfer", "hit tokens (DeepInfer / peer)"], rows), "",
-            f"![peer_ttft](bench/results/{image.name})"]
+            f"![peer_ttft](bench/results/{image})"]
     report.update_section(f"TTFT beside {result['peer_name']} (peer_ttft)", "\n".join(body))
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="peer_ttft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", ""),
-                   help="llama.cpp source dir with build/bin/llama-server (or $LLAMA_CPP_DIR)")
-    p.add_argument("--preset", default="mini")
-    p.add_argument("--out", default="bench/out/llama_peer", help="where the checkpoints and the GGUF are kept")
-    p.add_argument("--gguf-type", default="f32", choices=["bf16", "f32"], help="the peer's weights")
-    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    add_peer_arguments(p, gguf_type="f32")
     p.add_argument("--tokens", type=int, default=8192, help="prefix tokens")
     p.add_argument("--suffix", type=int, default=64, help="new tokens after the prefix")
     p.add_argument("--repeats", type=int, default=3)
@@ -216,13 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="peer_ttft")
     p.add_argument("--no-report", action="store_true")
     args = p.parse_args(argv)
-    binary = Path(args.llama_dir) / "build" / "bin" / "llama-server"
-    if not args.llama_dir or not binary.exists():
-        raise SystemExit(f"{binary} is missing: give --llama-dir of a built llama.cpp (see bench.llama_peer)")
-    import tempfile
+    binary, model_dir, gguf = peer_files(args)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="peer_ttft_"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir, gguf = prepare(args.preset, Path(args.out), Path(args.llama_dir), args.gguf_type)
     result = {"machine": report.machine(), "preset": args.preset, "dtype": "bfloat16", "gguf_type": args.gguf_type,
               "threads": args.threads, "tokens": args.tokens, "suffix": args.suffix, "repeats": args.repeats,
               "peer_name": args.peer_name, "load_average_start": os.getloadavg()[0], "dropped": drop_caches(),
