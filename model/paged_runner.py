@@ -101,7 +101,7 @@ def _place_pages(pool_PBA, pages_N, rows_NBA):
 
 @jax.jit
 def _read_pages(pool_PBA, pages_N):
-    return pool_PBA[pages_N].reshape(-1, pool_PBA.shape[-1])  # (N * B, A) bits
+    return _bits_view(pool_PBA, pages_N)  # (N * B, A) bits
 
 
 def _write_slots(pool_PBA, slots_T, latents_TA):
@@ -471,6 +471,7 @@ class PagedRunner:
         if n == 1:
             return [1]
         T = min(self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
-        rest = n - (-(-n // T) - 1) * T
+        full = (n - 1) // T  # chunks before the last
+        rest = n - full * T
         last = _pow2(max(rest, MIN_CHUNK)) if rest <= self.page else -(-rest // self.page) * self.page
-        return [T] * (-(-n // T) - 1) + [min(T, last)]
+        return [T] * full + [min(T, last)]
