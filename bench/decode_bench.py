@@ -3,7 +3,7 @@ in the default mode and in batch-invariant mode (every decode batch padded to th
 prefill cut into fixed segments), so the cost of invariance is measured, not guessed; and the engine's
 bfloat16 serving (model/serving.py) against float32 serving of the same weights.
 
-    python -m bench.decode_bench [--preset mini] [--batches 1,4,16,64] [--context 512] [--repeats 5]
+    python -m bench.decode_bench [--preset mini] [--batches 1,2,4,16,64] [--context 512] [--repeats 5]
 
 Every row is the median over --repeats runs of the same shape, measured side by side in one process.
 """
@@ -25,6 +25,7 @@ from model.weights import init_model
 
 COMMAND = "python -m bench.decode_bench"
 DEFAULT_CONTEXT = 512
+MODES = ("default", "invariant", "float32", "xla_view", "xla_products")
 
 
 def measure(args) -> dict:
@@ -39,25 +40,26 @@ def measure(args) -> dict:
     invariant = PagedRunner(model, cfg, pool, fixed_batch=_pow2(args.max_batch))
     float32 = PagedRunner(serving_model(checkpoint, "float32"), cfg, pool)
     xla_view = PagedRunner(model, cfg, pool, decode_kernel=False)  # decode attention over gathered views
+    # products of 1-4 rows by XLA, not the few-row kernel
+    xla_products = PagedRunner(serving_model(checkpoint, "bfloat16", few_row_kernel=False), cfg, pool)
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens
         default.prefill(rng.integers(0, cfg.vocab_size, args.context), 0, table, False)
     greedy = SamplingRow(SamplingParams(), 0, 0)
     out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
-           "decode_kernel": default.decode_kernel,
+           "decode_kernel": default.decode_kernel, "few_row_kernel": model.head.lm_head.few_rows,
            "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
         for name, runner in (("default", default), ("invariant", invariant), ("float32", float32),
-                             ("xla_view", xla_view)):
+                             ("xla_view", xla_view), ("xla_products", xla_products)):
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
-        out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name]
-                                        for name in ("default", "invariant", "float32", "xla_view")}
+        out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name] for name in MODES}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
-              f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_view'] * 1000:.1f} ms xla view",
-              flush=True)
+              f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_view'] * 1000:.1f} ms xla view, "
+              f"{step['xla_products'] * 1000:.1f} ms xla products", flush=True)
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
     table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
 
@@ -83,7 +85,8 @@ def write(result: dict) -> None:
     rows = [[n, f"{d['default'] * 1000:.1f}", f"{d['tokens_per_s_default']:.1f}", f"{d['invariant'] * 1000:.1f}",
              f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x",
              f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x",
-             f"{d['xla_view'] * 1000:.1f}", f"{d['xla_view'] / d['default']:.2f}x"]
+             f"{d['xla_view'] * 1000:.1f}", f"{d['xla_view'] / d['default']:.2f}x",
+             f"{d['xla_products'] * 1000:.1f}", f"{d['xla_products'] / d['default']:.2f}x"]
             for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
     p = result["prefill"]
     one = result["decode"].get("1")
@@ -100,10 +103,15 @@ def write(result: dict) -> None:
             + ("the CPU kernel over the pages in place (model/cpu_kernels.py); xla view: the same model with "
                "attention by XLA's products over gathered dense views (as on a GPU/TPU, or without a compiler)."
                if result.get("decode_kernel") else "XLA's products over gathered views (the CPU kernel was "
-               "unavailable), in every column."), "",
+               "unavailable), in every column.")
+            + (" Products of 1-4 rows (decode batches of 1-4): our few-row kernel (model/cpu_kernels.py); xla "
+               "products: the same model with XLA's bfloat16 products there (one row computed as two)."
+               if result.get("few_row_kernel") else " Products: XLA's in every column (the few-row kernel was "
+               "unavailable)."), "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
                                    "invariant tok/s", "invariant / default", "float32 step ms",
-                                   "float32 / bfloat16", "xla view step ms", "xla view / default"], rows), "",
+                                   "float32 / bfloat16", "xla view step ms", "xla view / default",
+                                   "xla products step ms", "xla products / default"], rows), "",
             f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
             f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
             f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
@@ -121,7 +129,7 @@ def plot(result: dict) -> str:
     import matplotlib.pyplot as plt
     ns = sorted(int(n) for n in result["decode"])
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in (("default", "o-"), ("invariant", "s--"), ("float32", "^:"), ("xla_view", "x-.")):
+    for mode, style in zip(MODES, ("o-", "s--", "^:", "x-.", "d--")):
         ax.plot(ns, [result["decode"][str(n)][f"tokens_per_s_{mode}"] for n in ns], style, label=mode)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences in the decode batch")
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="decode_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 16, 64])
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help="tokens of context of every sequence (another than the default gets its own report section)")
     p.add_argument("--max-batch", type=int, default=64)

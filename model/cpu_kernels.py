@@ -1,14 +1,19 @@
 """CPU kernels of our own, as XLA FFI custom calls, built for this machine on first use.
 
-`paged_mla_decode` (kernels/paged_mla_decode.cc) is decode attention read in place from the paged latent
-pool. XLA:CPU computes the same thing from a gathered dense copy of every sequence's pages, and packs that
-copy again for each of its two products; at long contexts that was most of a decode step (BENCHMARKS.md,
-decode kernel). The kernel is compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU it
-runs on (-march=native) into the compilation cache's directory, keyed by everything that shapes the
-binary, so a machine builds it once (about 5 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0, it
-is unavailable and decode uses XLA's products: same results within fp tolerance, slower.
+- `paged_mla_decode` (kernels/paged_mla_decode.cc) is decode attention read in place from the paged latent
+  pool. XLA:CPU computes the same thing from a gathered dense copy of every sequence's pages, and packs
+  that copy again for each of its two products; at long contexts that was most of a decode step
+  (BENCHMARKS.md, decode kernel).
+- `few_row_product` (kernels/few_row_product.cc) is a product of 1-4 rows with bfloat16 weights, as a
+  decode step of one to four sequences makes: it streams the weights at memory speed, where XLA's
+  bfloat16 product of so few rows ran at about half of it (BENCHMARKS.md, few-row products).
 
-On a GPU or TPU the kernel is never used (the runner asks `available` for its pool's platform).
+Both are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
+(-march=native) into one library in the compilation cache's directory, keyed by everything that shapes
+the binary, so a machine builds it once (about 5 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0,
+they are unavailable and the model uses XLA's products: same results within fp tolerance, slower.
+
+On a GPU or TPU the kernels are never used (callers ask `available` for their arrays' platform).
 """
 from __future__ import annotations
 
@@ -29,8 +34,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_mla_decode.cc"
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_mla_decode.cc", "few_row_product.cc"))
 TARGET = "deepinfer_paged_mla_decode"
+FEW_ROWS_TARGET = "deepinfer_few_row_product"
+FEW_ROWS = 4  # few_row_product takes 1 to this many rows
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 LANES = 16  # the kernel works in vectors of 16 floats: its A and C must be multiples
 
@@ -57,17 +64,17 @@ def _build(compiler: str) -> Path:
     """The shared library for this source, compiler, JAX and CPU: from the cache, else compiled into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), jax.__version__,
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), compiler, version, " ".join(FLAGS), jax.__version__,
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
-    out = _cache_dir() / f"paged_mla_decode-{key}.so"
+    out = _cache_dir() / f"deepinfer-kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building the CPU decode attention kernel (once per machine): %s", out)
+    log.info("building the CPU kernels (once per machine): %s", out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp], capture_output=True,
+        done = subprocess.run([compiler, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp], capture_output=True,
                               text=True, timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -87,20 +94,21 @@ def _load() -> tuple[bool, str]:
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedMlaDecode), platform="cpu")
+        jax.ffi.register_ffi_target(FEW_ROWS_TARGET, jax.ffi.pycapsule(library.FewRowProduct), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return False, f"build failed: {e}"
     return True, ""
 
 
 def available(platform_name: str) -> tuple[bool, str]:
-    """Whether the decode kernel serves arrays on this platform, and if not, why (built once per process)."""
+    """Whether the kernels serve arrays on this platform, and if not, why (built once per process)."""
     if platform_name != "cpu":
         return False, f"a CPU kernel; the pool is on {platform_name}"
     with _lock:
         if "ok" not in _state:
             _state["ok"], _state["why"] = _load()
             if not _state["ok"]:
-                log.warning("CPU decode attention kernel unavailable (%s): decode uses XLA's products", _state["why"])
+                log.warning("CPU kernels unavailable (%s): decode uses XLA's products", _state["why"])
     return bool(_state["ok"]), str(_state["why"])
 
 
@@ -116,3 +124,14 @@ def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N, value_dim), jnp.float32))(
         q_BNA.astype(jnp.float32), pool_PBA, tables_BQ.astype(jnp.int32), lengths_B.astype(jnp.int32),
         fresh_BA.astype(jnp.float32), scale=np.float32(scale))
+
+
+def few_rows_supported(rows: int, in_dim: int) -> bool:
+    return 1 <= rows <= FEW_ROWS and in_dim % 32 == 0
+
+
+def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
+    """x_MI (1-4 rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI: x rounded to bfloat16, products summed
+    in float32; (M, O) float32. Each weight is read once for all rows (kernels/few_row_product.cc)."""
+    (M, _), (O, _) = x_MI.shape, w_OI.shape
+    return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32))(x_MI.astype(jnp.float32), w_OI)

@@ -19,37 +19,51 @@ single row is computed as two (the copy costs nothing next to the weights it rea
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import cpu_kernels
 from model.config import check_serving_dtype
 from model.layers import Linear
 from model.mla import MLAttention
 from model.transformer import DeepseekModel
 
 class ServingLinear(nnx.Module):
-    """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output."""
+    """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output.
 
-    def __init__(self, weight_OI: jax.Array):
+    With `few_rows` (bfloat16 weights on a CPU with our kernels), a product of 1-4 rows is our few-row kernel
+    (model/cpu_kernels.py), which streams the weights at memory speed where XLA's product does not."""
+
+    def __init__(self, weight_OI: jax.Array, few_rows: bool = False):
         self.weight = nnx.Param(weight_OI)
+        self.few_rows = few_rows
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w_OI = self.weight[...]
+        *lead, in_dim = x.shape
+        rows = math.prod(lead)
+        if self.few_rows and cpu_kernels.few_rows_supported(rows, in_dim):
+            return cpu_kernels.few_row_product(x.reshape(rows, in_dim), w_OI).reshape(*lead, w_OI.shape[0])
         one_row = x.ndim == 2 and x.shape[0] == 1
         x = jnp.concatenate([x, x]) if one_row else x  # see the module's note on one-row products
         y = jnp.einsum("...i,oi->...o", x.astype(w_OI.dtype), w_OI, preferred_element_type=jnp.float32)
         return y[:1] if one_row else y
 
 
-def serving_model(model: DeepseekModel, dtype: str) -> DeepseekModel:
+def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True) -> DeepseekModel:
     """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
     otherwise a new module tree that shares every array but the projections, which it re-lays (the
-    caller drops the original to free the old projections)."""
+    caller drops the original to free the old projections). Products of 1-4 rows take the CPU's few-row
+    kernel where it is available, unless `few_row_kernel` is False (benchmarks compare both)."""
     check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
         return model
     graphdef, state = nnx.split(model)
+    platform = next(iter(jax.tree.leaves(state)[0].devices())).platform
+    few_rows = few_row_kernel and jnp.dtype(dtype) == jnp.bfloat16 and cpu_kernels.available(platform)[0]
     served = nnx.merge(graphdef, state)  # new modules over the same arrays
     for path, module in list(nnx.iter_graph(served)):
         if isinstance(module, MLAttention):  # attention's own products take the serving dtype too
@@ -60,5 +74,5 @@ def serving_model(model: DeepseekModel, dtype: str) -> DeepseekModel:
             parent = served
             for key in parents:
                 parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-            setattr(parent, name, ServingLinear(module.kernel[...].T.astype(dtype)))
+            setattr(parent, name, ServingLinear(module.kernel[...].T.astype(dtype), few_rows))
     return served

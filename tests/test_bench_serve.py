@@ -2,7 +2,7 @@
 import json
 import math
 
-from bench import decode_bench, prefill_passes, report, serve_bench, serve_report
+from bench import decode_bench, few_rows_bench, prefill_passes, report, serve_bench, serve_report
 from bench.serve_client import Result, percentiles, summarize
 
 
@@ -48,9 +48,18 @@ def test_decode_bench_measures_both_modes():
                               "--no-report"]) == 0
     result = json.loads((report.OUT / "decode_bench.json").read_text())
     assert set(result["decode"]) == {"1", "2"} and all(d["default"] > 0 and d["invariant"] > 0 and d["xla_view"] > 0
-                                                       for d in result["decode"].values())
+                                                       and d["xla_products"] > 0 for d in result["decode"].values())
     assert result["decode_kernel"]  # default decode attention is the CPU kernel here; xla_view its comparison
+    assert result["few_row_kernel"]  # and products of 1-4 rows our kernel; xla_products its comparison
     assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
+
+
+def test_few_rows_bench_measures_every_projection_shape_at_each_row_count():
+    assert few_rows_bench.main(["--preset", "tiny", "--repeats", "1", "--no-report"]) == 0
+    result = json.loads((report.OUT / "few_rows_bench.json").read_text())
+    shapes = {(p["out"], p["in"]) for p in result["products"]}
+    assert (129_280, 64) in shapes and len(result["products"]) == len(shapes) * len(few_rows_bench.ROWS)
+    assert all(p["kernel"] > 0 and p["xla"] > 0 for p in result["products"])
 
 
 def test_prefill_passes_measures_one_pass_against_one_by_one():

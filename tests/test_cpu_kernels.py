@@ -1,5 +1,6 @@
-"""The CPU paged MLA decode kernel (model/cpu_kernels.py) against a float64 reference, and its contract:
-a sequence's result depends on its own pages and length alone, bit for bit."""
+"""The CPU kernels (model/cpu_kernels.py) against float64 references, and their contracts: a sequence's
+decode attention depends on its own pages and length alone, and a row's few-row product on that row
+alone, bit for bit."""
 import os
 import subprocess
 import sys
@@ -93,8 +94,8 @@ ASK = "from model import cpu_kernels; print(cpu_kernels.available('cpu'))"
 def test_the_kernel_is_built_once_per_machine_and_loaded_after(tmp_path):
     cache = str(tmp_path / "kernels")
     first = python(ASK, DEEPINFER_KERNEL_CACHE=cache)
-    assert first.stdout.strip() == "(True, '')" and "building the CPU decode attention kernel" in first.stderr
-    [built] = list((tmp_path / "kernels").glob("paged_mla_decode-*.so"))  # no temporary file left behind
+    assert first.stdout.strip() == "(True, '')" and "building the CPU kernels" in first.stderr
+    [built] = list((tmp_path / "kernels").glob("deepinfer-kernels-*.so"))  # no temporary file left behind
     second = python(ASK, DEEPINFER_KERNEL_CACHE=cache)
     assert second.stdout.strip() == "(True, '')" and "building" not in second.stderr
     assert list((tmp_path / "kernels").glob("*")) == [built]
@@ -105,13 +106,51 @@ def test_the_kernel_is_built_once_per_machine_and_loaded_after(tmp_path):
 def test_without_the_kernel_decode_falls_back_to_the_gathered_view_and_says_why(tmp_path, env, why):
     done = python(ASK + "\nfrom model.config import preset\nfrom model.paged_runner import LatentPool, PagedRunner\n"
                   "from model.serving import serving_model\nfrom model.weights import init_model\ncfg = preset('tiny')\n"
-                  "print(PagedRunner(serving_model(init_model(cfg), 'bfloat16'), cfg, LatentPool(cfg, 4, 64))"
-                  ".decode_kernel)",
+                  "model = serving_model(init_model(cfg), 'bfloat16')\n"
+                  "print(PagedRunner(model, cfg, LatentPool(cfg, 4, 64)).decode_kernel, model.head.lm_head.few_rows)",
                   DEEPINFER_KERNEL_CACHE=str(tmp_path / "kernels"), **env)
-    verdict, decode_kernel = done.stdout.strip().splitlines()
-    assert verdict.startswith("(False, ") and why in verdict and decode_kernel == "False"
-    assert "CPU decode attention kernel unavailable" in done.stderr  # the operator is told, once
+    verdict, kernels = done.stdout.strip().splitlines()
+    assert verdict.startswith("(False, ") and why in verdict and kernels == "False False"
+    assert done.stderr.count("CPU kernels unavailable") == 1  # the operator is told, once
 
 
 def test_a_gpu_or_tpu_pool_never_takes_the_cpu_kernel():
     assert cpu_kernels.available("gpu") == (False, "a CPU kernel; the pool is on gpu")
+
+
+def few_rows(x, w):
+    return np.asarray(jax.jit(cpu_kernels.few_row_product)(x, w))
+
+
+@pytest.mark.parametrize("M, O, I", [(1, 129, 1024), (2, 7, 64), (3, 518, 384), (4, 1030, 2816), (2, 3, 32)])
+def test_few_row_product_matches_a_float64_reference(M, O, I):
+    """x rounded to bfloat16 as `x.astype(bfloat16)` does, times bfloat16 weights, summed in float32; O not a
+    multiple of the kernel's blocks of 4 rows, nor of its threads' shares."""
+    rng = np.random.default_rng(M * O)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
+    want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64).T
+    got = few_rows(x, w)
+    assert got.shape == (M, O) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-6 * np.sqrt(I) * np.abs(want).max(), rtol=0)
+
+
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_product():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((2051, 1024)), jnp.bfloat16)
+    together = few_rows(x, w)
+    for m in range(4):
+        assert np.array_equal(few_rows(x[m:m + 1], w)[0], together[m]), f"row {m} differs alone"
+        assert np.array_equal(few_rows(x[[m, (m + 1) % 4]], w)[0], together[m]), f"row {m} differs in a pair"
+
+
+@pytest.mark.parametrize("x, w, why", [
+    (np.ones((5, 64), np.float32), jnp.ones((8, 64), jnp.bfloat16), "1-4 rows of a multiple of 32 columns"),
+    (np.ones((2, 48), np.float32), jnp.ones((8, 48), jnp.bfloat16), "1-4 rows of a multiple of 32 columns"),
+    (np.ones((2, 64), np.float32), jnp.ones((8, 64), jnp.float32), "the weights must be bfloat16"),
+])
+def test_few_row_product_refuses_what_it_cannot_compute(x, w, why):
+    assert not cpu_kernels.few_rows_supported(*x.shape) or w.dtype != jnp.bfloat16
+    with pytest.raises(Exception, match=why):
+        few_rows(x, w)

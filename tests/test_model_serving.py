@@ -1,5 +1,6 @@
 """The served model (model/serving.py): projections re-laid (out, in) at the serving dtype, the checkpoint
 untouched, and logits within bfloat16's tolerance of the checkpoint's own."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +43,18 @@ def test_one_row_and_many_rows_give_the_same_row(checkpoint):
     alone, together = np.asarray(linear(x[:1])), np.asarray(linear(x))
     assert alone.shape == (1, linear.weight[...].shape[0]) and alone.dtype == np.float32
     np.testing.assert_allclose(alone[0], together[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_few_rows_take_the_cpu_kernel_and_agree_with_xlas_product(checkpoint):
+    """On the CPU, 1-4 rows are our few-row kernel (the weights streamed once), more rows XLA's product."""
+    linear = serving_model(checkpoint, "bfloat16").head.lm_head
+    assert linear.few_rows
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((16, 64)), jnp.float32)
+    assert "deepinfer_few_row_product" in jax.jit(linear).lower(x[:3]).as_text()
+    assert "deepinfer_few_row_product" not in jax.jit(linear).lower(x).as_text()
+    many = np.asarray(linear(x))
+    for rows in (1, 2, 3, 4):
+        np.testing.assert_allclose(np.asarray(linear(x[:rows])), many[:rows], rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_logits_stay_within_its_tolerance_of_the_checkpoints(checkpoint):
