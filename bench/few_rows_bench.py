@@ -1,6 +1,6 @@
 """few_rows_bench: the few-row product kernel (model/kernels/few_row_product.cc) against XLA's bfloat16
-product, on every projection shape of a preset's served model, at 1, 2 and 4 rows (decode steps of one to
-four sequences), side by side in one process.
+product, on every projection shape of a preset's served model, at 1, 2, 4, 16 and 32 rows (decode steps of
+that many sequences; the kernel takes up to 32 rows with AMX, else 4), side by side in one process.
 
     python -m bench.few_rows_bench [--preset mini] [--repeats 21]
 
@@ -28,7 +28,7 @@ from model.serving import ServingLinear, serving_model
 from model.weights import init_model
 
 COMMAND = "python -m bench.few_rows_bench"
-ROWS = (1, 2, 4)
+ROWS = (1, 2, 4, 16, 32)
 
 
 def shapes(model) -> dict[tuple[int, int], list[str]]:
@@ -53,11 +53,11 @@ def measure(args) -> dict:
     xla = jax.jit(lambda x, w: jnp.einsum("bi,oi->bo", (jnp.concatenate([x, x]) if x.shape[0] == 1 else x)
                                           .astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)[:x.shape[0]])
     out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
-           "repeats": args.repeats, "products": []}
+           "repeats": args.repeats, "rows": [n for n in ROWS if n <= cpu_kernels.few_rows_max()], "products": []}
     rng = np.random.default_rng(0)
     for (O, I), names in shapes(model).items():
         w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
-        for rows in ROWS:
+        for rows in [n for n in ROWS if n <= cpu_kernels.few_rows_max()]:
             x = jnp.asarray(rng.standard_normal((rows, I)), jnp.float32)
             np.testing.assert_allclose(np.asarray(kernel(x, w)), np.asarray(xla(x, w)), rtol=1e-4,
                                        atol=1e-4 * float(np.sqrt(I)))
@@ -82,8 +82,10 @@ def write(result: dict) -> None:
              f"{p['xla'] / p['kernel']:.2f}x"] for p in result["products"]]
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
-            f"Every bfloat16 projection shape of `{result['preset']}` served (out, in), at 1, 2 and 4 rows: our "
-            "few-row kernel against XLA's product as `ServingLinear` ran it before (one row as two). Median of "
+            f"Every bfloat16 projection shape of `{result['preset']}` served (out, in), at "
+            f"{', '.join(str(n) for n in result['rows'])} rows: our few-row kernel (one row: AVX-512 BF16 dot "
+            "products; more: AMX tiles) against XLA's product as `ServingLinear` ran it before (one row as two). "
+            "Median of "
             f"{result['repeats']} calls each, alternating. GB/s is the weight bytes over the time; the small "
             "shapes' weights stay in the CPU's caches between calls here (not in a decode step), so only the "
             "LM head's figure is a memory stream. decode_bench has whole decode steps with and without the "

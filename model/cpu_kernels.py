@@ -4,9 +4,9 @@
   pool. XLA:CPU computes the same thing from a gathered dense copy of every sequence's pages, and packs
   that copy again for each of its two products; at long contexts that was most of a decode step
   (BENCHMARKS.md, decode kernel).
-- `few_row_product` (kernels/few_row_product.cc) is a product of 1-4 rows with bfloat16 weights, as a
-  decode step of one to four sequences makes: it streams the weights at memory speed, where XLA's
-  bfloat16 product of so few rows ran at about half of it (BENCHMARKS.md, few-row products).
+- `few_row_product` (kernels/few_row_product.cc) is a product of a few rows (1-32 with AMX, else 1-4) with
+  bfloat16 weights, as a decode step of a few sequences makes: it streams the weights once, where XLA's
+  bfloat16 product of so few rows ran well below memory speed (BENCHMARKS.md, few-row products).
 
 Both are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
 (-march=native) into one library in the compilation cache's directory, keyed by everything that shapes
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_mla_decode.cc", "few_row_product.cc"))
 TARGET = "deepinfer_paged_mla_decode"
 FEW_ROWS_TARGET = "deepinfer_few_row_product"
-FEW_ROWS = 4  # few_row_product takes 1 to this many rows
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 LANES = 16  # the kernel works in vectors of 16 floats: its A and C must be multiples
 
@@ -95,6 +94,8 @@ def _load() -> tuple[bool, str]:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedMlaDecode), platform="cpu")
         jax.ffi.register_ffi_target(FEW_ROWS_TARGET, jax.ffi.pycapsule(library.FewRowProduct), platform="cpu")
+        library.FewRowProductMaxRows.restype = ctypes.c_int64
+        _state["few_rows"] = int(library.FewRowProductMaxRows())  # 32 where AMX is granted, else 4
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return False, f"build failed: {e}"
     return True, ""
@@ -126,12 +127,18 @@ def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array
         fresh_BA.astype(jnp.float32), scale=np.float32(scale))
 
 
+def few_rows_max() -> int:
+    """The most rows few_row_product takes on this CPU: 32 with AMX, else 4 (0 while the kernels are not loaded)."""
+    return int(_state.get("few_rows", 0))
+
+
 def few_rows_supported(rows: int, in_dim: int) -> bool:
-    return 1 <= rows <= FEW_ROWS and in_dim % 32 == 0
+    return 1 <= rows <= few_rows_max() and in_dim % 32 == 0
 
 
 def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
-    """x_MI (1-4 rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI: x rounded to bfloat16, products summed
-    in float32; (M, O) float32. Each weight is read once for all rows (kernels/few_row_product.cc)."""
+    """x_MI (1 to few_rows_max() rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI: x rounded to bfloat16,
+    products summed in float32; (M, O) float32. Each weight is read once for all rows
+    (kernels/few_row_product.cc)."""
     (M, _), (O, _) = x_MI.shape, w_OI.shape
     return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32))(x_MI.astype(jnp.float32), w_OI)

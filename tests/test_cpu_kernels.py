@@ -122,10 +122,13 @@ def few_rows(x, w):
     return np.asarray(jax.jit(cpu_kernels.few_row_product)(x, w))
 
 
-@pytest.mark.parametrize("M, O, I", [(1, 129, 1024), (2, 7, 64), (3, 518, 384), (4, 1030, 2816), (2, 3, 32)])
+@pytest.mark.parametrize("M, O, I", [(1, 129, 1024), (2, 7, 64), (3, 518, 384), (4, 1030, 2816), (2, 3, 32),
+                                     (16, 1030, 1024), (17, 100, 64), (32, 2051, 1024)])
 def test_few_row_product_matches_a_float64_reference(M, O, I):
     """x rounded to bfloat16 as `x.astype(bfloat16)` does, times bfloat16 weights, summed in float32; O not a
-    multiple of the kernel's blocks of 4 rows, nor of its threads' shares."""
+    multiple of the kernel's blocks (4 rows for one x row, 32 with AMX), nor of its threads' shares."""
+    if M > cpu_kernels.few_rows_max():
+        pytest.skip(f"{M} rows take AMX, which this CPU lacks")
     rng = np.random.default_rng(M * O)
     x = rng.standard_normal((M, I)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
@@ -135,22 +138,63 @@ def test_few_row_product_matches_a_float64_reference(M, O, I):
     np.testing.assert_allclose(got, want, atol=1e-6 * np.sqrt(I) * np.abs(want).max(), rtol=0)
 
 
-def test_a_row_gets_the_same_bits_whatever_rows_share_its_product():
+def test_a_row_gets_the_same_bits_whatever_other_rows_share_its_product():
+    """Within a path (one row; several rows, AMX tiles where the CPU has them): one row alone is its own path."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    most = cpu_kernels.few_rows_max()
+    x = rng.standard_normal((most, 1024)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((2051, 1024)), jnp.bfloat16)
     together = few_rows(x, w)
-    for m in range(4):
-        assert np.array_equal(few_rows(x[m:m + 1], w)[0], together[m]), f"row {m} differs alone"
-        assert np.array_equal(few_rows(x[[m, (m + 1) % 4]], w)[0], together[m]), f"row {m} differs in a pair"
+    for m in range(min(most, 6)):
+        others = [m, (m + 1) % most, (m + 3) % most]
+        assert np.array_equal(few_rows(x[others], w)[0], together[m]), f"row {m} differs among 3 rows"
+        assert np.array_equal(few_rows(x[[m, (m + 2) % most]], w)[0], together[m]), f"row {m} differs in a pair"
+        np.testing.assert_allclose(few_rows(x[m:m + 1], w)[0], together[m], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("x, w, why", [
-    (np.ones((5, 64), np.float32), jnp.ones((8, 64), jnp.bfloat16), "1-4 rows of a multiple of 32 columns"),
-    (np.ones((2, 48), np.float32), jnp.ones((8, 48), jnp.bfloat16), "1-4 rows of a multiple of 32 columns"),
-    (np.ones((2, 64), np.float32), jnp.ones((8, 64), jnp.float32), "the weights must be bfloat16"),
-])
-def test_few_row_product_refuses_what_it_cannot_compute(x, w, why):
-    assert not cpu_kernels.few_rows_supported(*x.shape) or w.dtype != jnp.bfloat16
-    with pytest.raises(Exception, match=why):
-        few_rows(x, w)
+def test_few_row_product_refuses_what_it_cannot_compute():
+    too_many = cpu_kernels.few_rows_max() + 1
+    for x, w, why in [
+        (np.ones((too_many, 64), np.float32), jnp.ones((8, 64), jnp.bfloat16), "rows of a multiple of 32 columns"),
+        (np.ones((2, 48), np.float32), jnp.ones((8, 48), jnp.bfloat16), "rows of a multiple of 32 columns"),
+        (np.ones((2, 64), np.float32), jnp.ones((8, 64), jnp.float32), "the weights must be bfloat16"),
+    ]:
+        assert not cpu_kernels.few_rows_supported(*x.shape) or w.dtype != jnp.bfloat16
+        with pytest.raises(Exception, match=why):
+            few_rows(x, w)
+
+
+def test_few_rows_reach_32_with_amx_and_4_without():
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    assert cpu_kernels.few_rows_max() == (32 if amx else 4)
+
+
+LOAD_ELSEWHERE = """
+import ctypes, sys
+import jax, jax.numpy as jnp, numpy as np
+library = ctypes.cdll.LoadLibrary(sys.argv[1])
+library.FewRowProductMaxRows.restype = ctypes.c_int64
+jax.ffi.register_ffi_target("few_rows_elsewhere", jax.ffi.pycapsule(library.FewRowProduct), platform="cpu")
+rng = np.random.default_rng(0)
+x = rng.standard_normal((3, 96)).astype(np.float32)
+w = jnp.asarray(rng.standard_normal((37, 96)), jnp.bfloat16)
+got = jax.ffi.ffi_call("few_rows_elsewhere", jax.ShapeDtypeStruct((3, 37), jnp.float32))(x, w)
+want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64).T
+np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+print(library.FewRowProductMaxRows())
+"""
+
+
+@pytest.mark.parametrize("flags, most", [(["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"], 4),
+                                         (["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512bf16"], 4)])
+def test_few_row_product_on_cpus_without_amx_or_avx512_bf16(tmp_path, flags, most):
+    """The kernel's other paths, built here as they would be on an older CPU: AVX-512 BF16 without AMX
+    (up to 4 rows), and the portable loop."""
+    library = tmp_path / "few_rows.so"
+    built = subprocess.run(["g++", *cpu_kernels.FLAGS, *flags, f"-I{jax.ffi.include_dir()}",
+                            str(cpu_kernels.SOURCES[1]), "-o", str(library)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(library)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(most)

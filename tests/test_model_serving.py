@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model import cpu_kernels
 from model.config import preset
 from model.layers import Linear
 from model.runner import ModelRunner
@@ -46,14 +47,16 @@ def test_one_row_and_many_rows_give_the_same_row(checkpoint):
 
 
 def test_a_few_rows_take_the_cpu_kernel_and_agree_with_xlas_product(checkpoint):
-    """On the CPU, 1-4 rows are our few-row kernel (the weights streamed once), more rows XLA's product."""
+    """On the CPU, a few rows (up to 32 with AMX, else 4) are our few-row kernel (the weights streamed once),
+    more rows XLA's product."""
     linear = serving_model(checkpoint, "bfloat16").head.lm_head
-    assert linear.few_rows
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((16, 64)), jnp.float32)
-    assert "deepinfer_few_row_product" in jax.jit(linear).lower(x[:3]).as_text()
-    assert "deepinfer_few_row_product" not in jax.jit(linear).lower(x).as_text()
+    most = cpu_kernels.few_rows_max()
+    assert linear.few_rows and most >= 4
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 64)), jnp.float32)
+    assert "deepinfer_few_row_product" in jax.jit(linear).lower(x[:most]).as_text()
+    assert "deepinfer_few_row_product" not in jax.jit(linear).lower(x[:most + 1]).as_text()
     many = np.asarray(linear(x))
-    for rows in (1, 2, 3, 4):
+    for rows in sorted({1, 2, 3, 4, most}):
         np.testing.assert_allclose(np.asarray(linear(x[:rows])), many[:rows], rtol=1e-5, atol=1e-5)
 
 

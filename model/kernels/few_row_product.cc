@@ -1,7 +1,7 @@
 // A product of a few rows with a bfloat16 weight matrix for the CPU, as an XLA FFI custom call.
 //
-// y (M, O) = x (M, I) @ W (O, I)^T for M <= kMaxRows: what `ServingLinear` computes when a decode step
-// carries one to four sequences. Such a product reads every weight once and does little with it, so its
+// y (M, O) = x (M, I) @ W (O, I)^T for a few rows M: what `ServingLinear` computes for a decode step of a
+// few sequences (up to 32 on a CPU with AMX, else up to 4; `FewRowProductMaxRows` says which). Such a product reads every weight once and does little with it, so its
 // time should be the time to stream W from memory; XLA:CPU's bfloat16 product of one or two rows took
 // 1.6-1.8x this kernel's time on `mini`'s LM head (BENCHMARKS.md, few-row products). Here each weight row
 // is read once for all M rows (AVX-512 BF16 dot products, float32 sums), the next block of rows is
@@ -11,17 +11,24 @@
 //          w   bf16  (O, I)
 // Output:  y   f32   (M, O): bfloat16 products summed in float32
 //
-// Each output is one weight row's dot product with one x row, summed in a fixed order that depends on I
-// alone: a row's result does not depend on the other rows, on M, or on how the outputs are shared.
+// Each output is one weight row's dot product with one x row, summed in an order fixed by I and by the
+// path (one row, or AMX for 2-32 rows): within a path a row's result does not depend on the other rows or
+// on how the outputs are shared.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DEEPINFER_AMX 1
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -30,16 +37,25 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 4;      // without AMX
+constexpr int64_t kMaxAmxRows = 32;  // two groups of 16 x rows per pass over a block of weight rows
 constexpr int64_t kStep = 32;       // bfloat16 weights per vector step (one 64-byte line)
 constexpr int64_t kBlockRows = 4;   // weight rows multiplied together, their lines prefetched one block ahead
 constexpr int64_t kItemRows = 512;  // weight rows per work item handed to a thread
 
-inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+// n floats to bfloat16 bits, rounded to nearest even (NaN stays NaN), as XLA's convert does.
+void to_bf16(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    out[i] = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((u >> 16) | 0x40)
+                                              : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -110,6 +126,82 @@ void rows_block(const uint16_t* w, const uint16_t* xb, float* y, int64_t O, int6
 
 #endif
 
+
+#ifdef DEEPINFER_AMX
+
+bool amx_granted() {  // Linux lends AMX's tile state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct TileConfig {  // palette 1; every tile 16 rows of 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// Rows [o0, o1) of y, o1 - o0 a multiple of 32, for M x rows laid out as xv: groups of 16 rows, each
+// (I / 2, 16, 2) bfloat16 pairs, the last group padded with zero rows. Tiles 0-3 accumulate (16 weight rows
+// x 16 x rows), 4-5 hold 16 weight rows x 32 columns, 6-7 a group's 16 pairs x 16 rows.
+void amx_block(const uint16_t* w, const uint16_t* xv, float* y, int64_t M, int64_t O, int64_t I, int64_t o0,
+               int64_t o1) {
+  alignas(64) float tile[16 * 16];
+  const int64_t groups = (M + 15) / 16;
+  auto store = [&](int64_t group, int64_t first) {  // tile -> y rows of x group `group`, outputs from `first`
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t m = 0; m < 16 && group * 16 + m < M; ++m) y[(group * 16 + m) * O + first + r] = tile[r * 16 + m];
+  };
+  for (int64_t o = o0; o < o1; o += 32) {
+    const uint16_t* a0 = w + o * I;
+    const uint16_t* a1 = a0 + 16 * I;
+    for (int64_t g = 0; g < groups; g += 2) {
+      const bool two = g + 1 < groups;
+      const uint16_t* b0 = xv + g * 16 * I;
+      const uint16_t* b1 = b0 + 16 * I;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k = 0; k < I; k += kStep) {
+        if (g == 0)  // the same lines of the next 32 weight rows
+          for (int64_t r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(a0 + (32 + r) * I + k), _MM_HINT_T0);
+        _tile_loadd(4, a0 + k, I * 2);
+        _tile_loadd(5, a1 + k, I * 2);
+        _tile_loadd(6, b0 + k * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, b1 + k * 16, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, tile, 64);
+      store(g, o);
+      _tile_stored(1, tile, 64);
+      store(g, o + 16);
+      if (two) {
+        _tile_stored(2, tile, 64);
+        store(g + 1, o);
+        _tile_stored(3, tile, 64);
+        store(g + 1, o + 16);
+      }
+    }
+  }
+}
+
+#endif
+
+int64_t max_rows() {
+#ifdef DEEPINFER_AMX
+  if (amx_granted()) return kMaxAmxRows;
+#endif
+  return kMaxRows;
+}
+
 ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                              ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -120,14 +212,14 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   const int64_t M = xd[0], I = xd[1], O = wd[0];
   if (wd[1] != I || yd[0] != M || yd[1] != O)
     return ffi::Error::InvalidArgument("few_row_product: mismatched shapes");
-  if (M < 1 || M > kMaxRows || I % kStep)
-    return ffi::Error::InvalidArgument("few_row_product: 1-4 rows of a multiple of 32 columns");
+  if (M < 1 || M > max_rows() || I % kStep)
+    return ffi::Error::InvalidArgument("few_row_product: 1 to FewRowProductMaxRows() rows of a multiple of 32 columns");
 
   std::vector<uint16_t> xb(M * I);
-  for (int64_t i = 0; i < M * I; ++i) xb[i] = to_bf16(x.typed_data()[i]);
+  to_bf16(x.typed_data(), xb.data(), M * I);
   const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
   float* yp = y->typed_data();
-  auto run = [&](int64_t o0, int64_t o1) {
+  auto dots = [&](int64_t o0, int64_t o1) {
     switch (M) {
       case 1: return rows_block<1>(wp, xb.data(), yp, O, I, o0, o1);
       case 2: return rows_block<2>(wp, xb.data(), yp, O, I, o0, o1);
@@ -135,15 +227,42 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
       default: return rows_block<4>(wp, xb.data(), yp, O, I, o0, o1);
     }
   };
+  int64_t unit = kBlockRows;  // an item's rows are a multiple of this
+  std::function<void(int64_t, int64_t)> run = dots;
+#ifdef DEEPINFER_AMX
+  std::vector<uint16_t> xv;
+  if (M > 1) {  // AMX: x as bfloat16 pairs in groups of 16 rows, zero rows padding the last group
+    unit = 32;
+    xv.assign((M + 15) / 16 * 16 * I, 0);
+    for (int64_t m = 0; m < M; ++m)  // a pair of bfloat16 moves as one 32-bit word
+      for (int64_t k = 0; k < I; k += 2)
+        std::memcpy(&xv[(m / 16) * 16 * I + k * 16 + (m % 16) * 2], &xb[m * I + k], 4);
+    run = [&](int64_t o0, int64_t o1) {
+      const int64_t tiled = o0 + (o1 - o0) / 32 * 32;
+      amx_block(wp, xv.data(), yp, M, O, I, o0, tiled);
+      for (int64_t m = 0; m < M; ++m)  // the last rows of W, fewer than a tile's: one x row at a time
+        rows_block<1>(wp, xb.data() + m * I, yp + m * O, O, I, tiled, o1);
+    };
+  }
+#endif
 
-  // Blocks of kItemRows weight rows go to whichever thread is free next; the calling thread works too.
+  // Blocks of about kItemRows weight rows go to whichever thread is free next; the calling thread works too.
   const int64_t workers = std::max<int64_t>(threads.num_threads(), 1);
-  const int64_t item = std::max<int64_t>(kBlockRows, std::min<int64_t>(kItemRows, (O / workers + kBlockRows - 1) /
-                                                                                      kBlockRows * kBlockRows));
+  const int64_t item = std::max<int64_t>(unit, std::min<int64_t>(kItemRows, (O / workers + unit - 1) / unit * unit));
   const int64_t items = (O + item - 1) / item;
   std::atomic<int64_t> next{0};
   auto work = [&] {
+#ifdef DEEPINFER_AMX
+    const bool tiles = M > 1;
+    if (tiles) {  // tile state is per thread: configured for this call, released after it
+      const TileConfig config;
+      _tile_loadconfig(&config);
+    }
+#endif
     for (int64_t i; (i = next.fetch_add(1)) < items;) run(i * item, std::min(O, (i + 1) * item));
+#ifdef DEEPINFER_AMX
+    if (tiles) _tile_release();
+#endif
   };
   const int64_t helpers = std::min(workers, items) - 1;
   std::atomic<int64_t> done{0};
@@ -158,6 +277,8 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
 }
 
 }  // namespace
+
+extern "C" int64_t FewRowProductMaxRows() { return max_rows(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowProduct, FewRowProductImpl,
                               ffi::Ffi::Bind()
