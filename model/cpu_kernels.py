@@ -34,9 +34,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_mla_decode.cc", "few_row_product.cc"))
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_mla_decode.cc", "few_row_product.cc",
+                                                                                 "mla_prefill_attention.cc"))
 TARGET = "deepinfer_paged_mla_decode"
 FEW_ROWS_TARGET = "deepinfer_few_row_product"
+PREFILL_TARGET = "deepinfer_mla_prefill_attention"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 LANES = 16  # the kernel works in vectors of 16 floats: its A and C must be multiples
 
@@ -96,6 +98,8 @@ def _load() -> tuple[bool, str]:
         jax.ffi.register_ffi_target(FEW_ROWS_TARGET, jax.ffi.pycapsule(library.FewRowProduct), platform="cpu")
         library.FewRowProductMaxRows.restype = ctypes.c_int64
         _state["few_rows"] = int(library.FewRowProductMaxRows())  # 32 where AMX is granted, else 4
+        jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.MlaPrefillAttention), platform="cpu")
+        _state["prefill"] = bool(library.MlaPrefillAttentionAvailable())  # AMX only
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return False, f"build failed: {e}"
     return True, ""
@@ -128,8 +132,8 @@ def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array
 
 
 def few_rows_max() -> int:
-    """The most rows few_row_product takes on this CPU: 32 with AMX, else 4 (0 while the kernels are not loaded)."""
-    return int(_state.get("few_rows", 0))
+    """The most rows few_row_product takes on this CPU: 32 with AMX, else 4 (0 without our kernels)."""
+    return int(_state.get("few_rows", 0)) if available("cpu")[0] else 0
 
 
 def few_rows_supported(rows: int, in_dim: int) -> bool:
@@ -142,3 +146,24 @@ def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
     (kernels/few_row_product.cc)."""
     (M, _), (O, _) = x_MI.shape, w_OI.shape
     return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32))(x_MI.astype(jnp.float32), w_OI)
+
+
+def prefill_attention_available() -> bool:
+    """Whether mla_prefill_attention runs on this CPU (our kernels built, and AMX granted)."""
+    return available("cpu")[0] and bool(_state.get("prefill", False))
+
+
+def prefill_attention_supports(latent_dim: int, value_dim: int) -> bool:
+    return latent_dim % 32 == 0 and value_dim % 32 == 0 and value_dim <= latent_dim <= 1024
+
+
+def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax.Array, scale: float, view: int,
+                          value_dim: int) -> jax.Array:
+    """Absorbed MLA attention of T query tokens' N heads (bfloat16 q_NTA) over rows [0, min(position + 1, view))
+    of a latent view (view_SA: raw bfloat16 bits): the softmax-weighted latent values (N, T, value_dim) float32,
+    normalised (kernels/mla_prefill_attention.cc)."""
+    N, T, _ = q_NTA.shape
+    return jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((N, T, value_dim), jnp.float32),
+                            vmap_method="sequential")(
+        q_NTA.astype(jnp.bfloat16), view_SA, positions_T.astype(jnp.int32), scale=np.float32(scale),
+        valid=np.int64(view), C=np.int64(value_dim))

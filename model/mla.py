@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import cpu_kernels
 from model.config import ModelConfig
 from model.layers import Linear, RMSNorm, normal_param
 from model.rope import apply_rope, rope_tables, softmax_scale
@@ -34,10 +35,15 @@ def key_block_for(view: int, key_block: int) -> int:
     return block
 
 
-def prefer_absorbed(cfg: ModelConfig, T: int, S: int) -> bool:
+def prefer_absorbed(cfg: ModelConfig, T: int, S: int, kernel: bool = False) -> bool:
     """Absorbed (W_UK into q, W_UV after attention) costs ~T*S*(2C+R) + T*C*(H+V) multiply-adds per head;
     expanded (K and V materialised from c_kv) costs ~S*C*(H+V) + T*S*(H+R+V). Short chunks over long
-    prefixes (decode, a short suffix after a hit) favour absorbed; long prefill chunks favour expanded."""
+    prefixes (decode, a short suffix after a hit) favour absorbed; long prefill chunks favour expanded.
+    With the CPU's prefill attention kernel (`kernel`) absorbed is always taken: on `mini` it measured
+    faster than XLA's expanded form at every size tried, 2,048 tokens from scratch included (BENCHMARKS.md,
+    prefill attention kernel)."""
+    if kernel:
+        return True
     C, R, H, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     absorbed = T * S * (2 * C + R) + T * C * (H + V)
     expanded = S * C * (H + V) + T * S * (H + R + V)
@@ -66,6 +72,9 @@ class MLAttention(nnx.Module):
         inv_freq, self.rope_scaling = rope_tables(cfg)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph definition
         self.scale = softmax_scale(cfg)
+        # Absorbed prefill attention by our CPU kernel (model/cpu_kernels.py); the served model sets it where
+        # the kernel runs (bfloat16 on a CPU with AMX).
+        self.prefill_kernel = False
 
     def _rope(self, x_TNR: jax.Array, positions_T: jax.Array) -> jax.Array:
         return apply_rope(x_TNR, positions_T, np.asarray(self.inv_freq, np.float32), self.rope_scaling)
@@ -123,7 +132,9 @@ class MLAttention(nnx.Module):
         T, dtype = q_nope_NTH.shape[1], self.w_uk.dtype
         q_nope_NTH, q_pe_NTR = q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype)
         block = key_block_for(view, key_block)
-        if T > 1 and block < view:
+        if expanded is None and T > 1 and self.prefill_kernel and cache_SA.dtype == jnp.uint16:
+            out_NTV = self._attend_kernel(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view)
+        elif T > 1 and block < view:
             out_NTV = self._attend_blockwise(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, block)
         else:
             out_NTV = self._attend_once(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
@@ -146,6 +157,14 @@ class MLAttention(nnx.Module):
         slower on XLA:CPU (the 64-wide one runs at a fifth of the rate)."""
         q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...], preferred_element_type=jnp.float32)
         return jnp.concatenate([q_lat_NTC.astype(q_nope_NTH.dtype), q_pe_NTR], axis=-1)
+
+    def _attend_kernel(self, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view) -> jax.Array:
+        """(N, T, V) as `_attend_blockwise` absorbed, by the CPU's prefill attention kernel: flash attention on
+        AMX tiles over the latent view's raw bits, in blocks of 64 rows from row 0 whatever T and view are."""
+        out_NTC = cpu_kernels.mla_prefill_attention(self._absorbed_queries(q_nope_NTH, q_pe_NTR), cache_SA,
+                                                    positions_T, self.scale, view, self.kv_lora_rank)
+        return jnp.einsum("ntc,cnv->ntv", out_NTC.astype(q_nope_NTH.dtype), self.w_uv[...],
+                          preferred_element_type=jnp.float32)
 
     def _attend_once(self, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded) -> jax.Array:
         """(N, T, V): every score of the chunk at once, (N, T, view) float32."""

@@ -411,7 +411,7 @@ class PagedRunner:
             tables_MQ[rows] = self._table(seg.pages, view)
             last_K[k:] = tile * B + n - 1
             tile += count
-        absorbed = (prefer_absorbed(self.cfg, B, view) if self.dense.attention == "auto"
+        absorbed = (prefer_absorbed(self.cfg, B, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         x_RD = _embed(self.dense.embed_VD, jnp.asarray(tokens_MT.reshape(-1)))
         positions_R, slots_R = jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1))
@@ -444,7 +444,7 @@ class PagedRunner:
         view = view_bucket(end, self.page)
         table = jnp.asarray(self._table(pages, view))
         views = [min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
-        absorbed = (prefer_absorbed(self.cfg, n, view) if self.dense.attention == "auto"
+        absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         for layer in range(self.cfg.num_layers):
             graphdef, state = self.dense.layers[layer]

@@ -186,6 +186,7 @@ class ModelRunner:
         self.embed_VD = model.embed[...]
         self.layers = [nnx.split(layer) for layer in model.layers]
         self.head = nnx.split(model.head)
+        self.prefill_kernel = bool(model.layers[0].attn.prefill_kernel)  # absorbed prefill by the CPU kernel
 
     # -- building blocks, one layer at a time (the engine interleaves disk reads with these) --
 
@@ -221,7 +222,7 @@ class ModelRunner:
             q_nope_NTH, q_pe_NTR, buf = _project(graphdef, state, x_TD, buf, np.int32(start + i * T))
             queries.append((q_nope_NTH, q_pe_NTR))
         full_view = self._view(cache, start + span)
-        absorbed = (prefer_absorbed(self.cfg, span, full_view) if self.attention == "auto"
+        absorbed = (prefer_absorbed(self.cfg, span, full_view, self.prefill_kernel) if self.attention == "auto"
                     else self.attention == "absorbed")
         expanded = None if absorbed else _expand(graphdef, state, buf, full_view)
         out = [_finish(graphdef, state, x_TD, *queries[i], buf, np.int32(start + i * T),

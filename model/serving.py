@@ -34,8 +34,9 @@ from model.transformer import DeepseekModel
 class ServingLinear(nnx.Module):
     """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output.
 
-    With `few_rows` (bfloat16 weights on a CPU with our kernels), a product of 1-4 rows is our few-row kernel
-    (model/cpu_kernels.py), which streams the weights at memory speed where XLA's product does not."""
+    With `few_rows` (bfloat16 weights on a CPU with our kernels), a product of a few rows (up to 32 with AMX,
+    else 4) is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where XLA's product
+    of so few rows ran well below memory speed."""
 
     def __init__(self, weight_OI: jax.Array, few_rows: bool = False):
         self.weight = nnx.Param(weight_OI)
@@ -53,22 +54,29 @@ class ServingLinear(nnx.Module):
         return y[:1] if one_row else y
 
 
-def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True) -> DeepseekModel:
+def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
+                  prefill_kernel: bool = True) -> DeepseekModel:
     """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
     otherwise a new module tree that shares every array but the projections, which it re-lays (the
-    caller drops the original to free the old projections). Products of 1-4 rows take the CPU's few-row
-    kernel where it is available, unless `few_row_kernel` is False (benchmarks compare both)."""
+    caller drops the original to free the old projections). Products of a few rows take the CPU's few-row
+    kernel, and absorbed prefill attention the CPU's prefill attention kernel, where they are available,
+    unless `few_row_kernel` / `prefill_kernel` is False (benchmarks compare both)."""
     check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
         return model
     graphdef, state = nnx.split(model)
     platform = next(iter(jax.tree.leaves(state)[0].devices())).platform
-    few_rows = few_row_kernel and jnp.dtype(dtype) == jnp.bfloat16 and cpu_kernels.available(platform)[0]
+    kernels = jnp.dtype(dtype) == jnp.bfloat16 and cpu_kernels.available(platform)[0]
+    few_rows = few_row_kernel and kernels
     served = nnx.merge(graphdef, state)  # new modules over the same arrays
     for path, module in list(nnx.iter_graph(served)):
         if isinstance(module, MLAttention):  # attention's own products take the serving dtype too
             module.w_uk = nnx.Param(module.w_uk[...].astype(dtype))
             module.w_uv = nnx.Param(module.w_uv[...].astype(dtype))
+            module.prefill_kernel = (prefill_kernel and kernels and cpu_kernels.prefill_attention_available()
+                                     and jnp.dtype(module.cache_dtype) == jnp.bfloat16
+                                     and cpu_kernels.prefill_attention_supports(module.kv_lora_rank + module.rope_dim,
+                                                                                module.kv_lora_rank))
         elif isinstance(module, Linear):
             *parents, name = path
             parent = served

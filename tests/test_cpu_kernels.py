@@ -198,3 +198,71 @@ def test_few_row_product_on_cpus_without_amx_or_avx512_bf16(tmp_path, flags, mos
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(most)
+
+
+def attention_reference(q, kv, pos, scale, view, C):
+    q, kv = np.asarray(q, np.float64), np.asarray(kv, np.float64)[:view]
+    s = np.einsum("nta,sa->nts", q, kv) * scale
+    s = np.where(np.arange(view)[None, None, :] <= np.asarray(pos)[None, :, None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)) @ kv[:, :C]
+
+
+def prefill_attention(q, bits, pos, scale, view, C):
+    return np.asarray(jax.jit(cpu_kernels.mla_prefill_attention, static_argnums=(3, 4, 5))(q, bits, pos, scale, view,
+                                                                                          C))
+
+
+def latents(rng, S, A):
+    kv = jnp.asarray(rng.standard_normal((S, A)), jnp.bfloat16)
+    return kv, jax.lax.bitcast_convert_type(kv, jnp.uint16)
+
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.prefill_attention_available(), reason="the prefill kernel needs AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize("N, T, S, view, start, A, C", [
+    (8, 64, 2048, 2048, 1984, 576, 512),  # mini's widths: a short chunk at the end of a long view
+    (8, 37, 700, 650, 600, 576, 512),     # T not a multiple of 16; the last positions past the view
+    (4, 16, 128, 128, 0, 64, 32),         # the first chunk of a prompt: each query sees itself and before
+    (3, 130, 320, 300, 10, 96, 64),       # several groups of 256 rows; positions cross steps of 64
+])
+def test_prefill_attention_matches_a_float64_reference(N, T, S, view, start, A, C):
+    rng = np.random.default_rng(T)
+    q = jnp.asarray(rng.standard_normal((N, T, A)) * 0.2, jnp.bfloat16)
+    kv, bits = latents(rng, S, A)
+    pos = np.asarray(start + np.arange(T), np.int32)
+    got = prefill_attention(q, bits, pos, 0.1, view, C)
+    want = attention_reference(q, kv, np.minimum(pos, view - 1), 0.1, view, C)
+    assert got.shape == (N, T, C) and got.dtype == np.float32
+    # probabilities are rounded to bfloat16 before the values, as XLA's path rounds them
+    np.testing.assert_allclose(got, want, atol=8e-3 * np.abs(want).max(), rtol=0)
+
+
+@needs_amx
+def test_a_query_gets_the_same_bits_whatever_else_shares_its_call():
+    """Its own query, position and view alone: not the other tokens or heads of the chunk, nor how the chunk is
+    cut (blocks of 64 view rows from row 0 whatever T is)."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((8, 48, 576)) * 0.2, jnp.bfloat16)
+    _, bits = latents(rng, 1024, 576)
+    pos = np.asarray(900 + np.arange(48), np.int32)
+    together = prefill_attention(q, bits, pos, 0.07, 1000, 512)
+    for t in (0, 17, 47):
+        alone = prefill_attention(q[3:4, t:t + 1], bits, pos[t:t + 1], 0.07, 1000, 512)
+        assert np.array_equal(alone[0, 0], together[3, t]), f"token {t} differs alone"
+    half = prefill_attention(q[:, 16:], bits, pos[16:], 0.07, 1000, 512)
+    assert np.array_equal(half, together[:, 16:])
+
+
+@needs_amx
+@pytest.mark.parametrize("q_shape, S, C, why", [((2, 4, 48), 64, 32, "multiples of 32"),
+                                                ((2, 4, 64), 64, 96, "multiples of 32, C <= A"),
+                                                ((2, 4, 64), 32, 32, "valid <= S")])
+def test_prefill_attention_refuses_what_it_cannot_compute(q_shape, S, C, why):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal(q_shape), jnp.bfloat16)
+    _, bits = latents(rng, S, q_shape[-1])
+    with pytest.raises(Exception, match=why):
+        prefill_attention(q, bits, np.arange(q_shape[1], dtype=np.int32), 0.1, 64, C)

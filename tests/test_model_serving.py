@@ -60,6 +60,24 @@ def test_a_few_rows_take_the_cpu_kernel_and_agree_with_xlas_product(checkpoint):
         np.testing.assert_allclose(np.asarray(linear(x[:rows])), many[:rows], rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_attention_takes_the_cpu_kernel_where_it_runs_and_agrees_with_xlas_path():
+    """Latent widths the kernel takes (multiples of 32; tiny's 48 is not): a 300-token prompt's logits with the
+    prefill attention kernel (absorbed form, always) against XLA's path (its own choice of form)."""
+    if not cpu_kernels.prefill_attention_available():
+        pytest.skip("the prefill attention kernel needs AMX")
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
+    checkpoint = init_model(cfg)
+    kernel, xla = serving_model(checkpoint, "bfloat16"), serving_model(checkpoint, "bfloat16", prefill_kernel=False)
+    assert kernel.layers[0].attn.prefill_kernel and not xla.layers[0].attn.prefill_kernel
+    assert not serving_model(init_model(preset("tiny")), "bfloat16").layers[0].attn.prefill_kernel  # A = 48
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, 300)
+    runners = ModelRunner(kernel, cfg, chunk_tokens=128), ModelRunner(xla, cfg, chunk_tokens=128)
+    assert runners[0].prefill_kernel and not runners[1].prefill_kernel
+    got, want = (np.asarray(r.prefill(tokens, reserve=1).logits, np.float32) for r in runners)
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0  # another path did compute it
+
+
 def test_bfloat16_logits_stay_within_its_tolerance_of_the_checkpoints(checkpoint):
     cfg = preset("tiny")
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)

@@ -1,0 +1,371 @@
+// MLA prefill attention in the absorbed form for the CPU's AMX tiles, as an XLA FFI custom call.
+//
+// Each query row (a head of a token: [q_nope @ W_UK | q_pe], A = C + R wide) attends over the rows of a
+// sequence's latent view ([c_kv | k_pe], A wide) up to its own position: scores against the whole
+// latent, a softmax, values from the first C columns (FlashMLA's layout). This is what
+// `MLAttention._attend_blockwise` computes in XLA for a short chunk over a long view; there the scores
+// went to memory and back for each of the mask, the max, the exponent, the sum and the conversion, and the
+// products ran at about a quarter of the matrix units' rate (BENCHMARKS.md, prefill attention kernel).
+// Here it is flash attention on tiles: 16 query rows to a tile, 64 view rows per step, the scores of a step
+// kept in a 4 KB buffer, an online softmax in AVX-512, probabilities rounded to bfloat16 (as XLA's path
+// rounds them) and the values accumulated in float32. Groups of 16 tiles (256 query rows) go through each
+// step's view rows together, so the view streams from memory once per group, not once per tile.
+//
+// The view is re-laid once per call for the tiles, shared by every query row: keys as (dim pairs x rows)
+// tiles, values as (row pairs x columns) tiles. Query tiles go to XLA's intra-op threads.
+//
+// Inputs:  q      bf16  (N, T, A): the absorbed queries, head-major
+//          view   u16   (S, A): the latent view's raw bfloat16 bits
+//          pos    s32   (T,): each token's position; a query sees view rows [0, min(pos + 1, view))
+// Attrs:   scale  f32   the softmax scale;  view  s64  the view's valid rows (<= S);  C  s64  value columns
+// Output:  out    f32   (N, T, C): the softmax-weighted values, normalised
+//
+// A query row's result depends on its own query, its position and the view alone, summed in a fixed
+// order (blocks of 64 view rows from row 0): whatever else shares the call, its bits are the same.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DEEPINFER_AMX_ATTENTION 1
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#ifdef DEEPINFER_AMX_ATTENTION
+
+constexpr int64_t kRows = 16;   // query rows per tile
+constexpr int64_t kStep = 64;   // view rows per softmax step
+constexpr int64_t kMaxC = 1024; // value columns a call may have
+
+bool amx_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+struct TileConfig {  // palette 1; every tile 16 rows of 64 bytes
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// e^x for x <= 0 to ~2 ulp: 2^n e^f, n = round(x / ln 2), f = x - n ln 2 (two steps), e^f by degree 7.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Problem {
+  const uint16_t* q;     // (R, A) bfloat16 bits, R = N * T
+  const uint16_t* view;  // (S, A)
+  const int32_t* pos;    // (T,)
+  float* out;            // (R, C)
+  int64_t N, T, A, C, rows, span;  // span: view rows the call reads (a multiple of kStep, zero past `view`)
+  int64_t valid;                   // the view's valid rows
+  float scale;
+  uint16_t* keys;    // (span / 16, A / 32) tiles of (16 dim pairs x 16 rows x 2)
+  uint16_t* values;  // (span / 32, C / 16) tiles of (16 row pairs x 16 columns x 2)
+};
+
+// A 16 x 16 block of 32-bit words transposed: out[d * 16 + s] = in[s * stride + d].
+inline void transpose16(const uint32_t* in, int64_t stride, uint32_t* out) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + i * stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4 g + k] now holds, in its 128-bit lane L, rows 4 g .. 4 g + 3 of column 4 L + k
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm512_storeu_si512(out + k * 16, _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88));
+    _mm512_storeu_si512(out + (4 + k) * 16, _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88));
+    _mm512_storeu_si512(out + (8 + k) * 16, _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd));
+    _mm512_storeu_si512(out + (12 + k) * 16, _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd));
+  }
+}
+
+// Rows [s0, s0 + kStep) of the view into the key and value tiles (rows past `valid` as zeros).
+void lay_out(const Problem& p, int64_t s0) {
+  const int64_t A = p.A, words = A / 2, kk_tiles = A / 32;  // a row is A / 2 words of two bfloat16
+  const uint32_t* rows32 = reinterpret_cast<const uint32_t*>(p.view + s0 * A);
+  if (s0 + kStep > p.valid) {  // the last step: a copy with zeros past `valid`
+    thread_local std::vector<uint32_t> buffer;
+    buffer.assign(kStep * words, 0);
+    if (p.valid > s0) std::memcpy(buffer.data(), rows32, (p.valid - s0) * A * 2);
+    rows32 = buffer.data();
+  }
+  // keys: tile (s0 / 16 + j, kk) row d (dim pair 16 kk + d) holds rows s0 + 16 j .. + 16 of that pair
+  for (int64_t j = 0; j < kStep / 16; ++j)
+    for (int64_t kk = 0; kk < kk_tiles; ++kk)
+      transpose16(rows32 + (16 * j) * words + 16 * kk, words,
+                  reinterpret_cast<uint32_t*>(p.keys) + ((s0 / 16 + j) * kk_tiles + kk) * 256);
+  // values: tile (s0 / 32 + h, c / 16) row e (row pair) holds columns c .. c + 16 of rows 2e, 2e + 1 interleaved
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const int64_t c_tiles = p.C / 16;
+  for (int64_t h = 0; h < kStep / 32; ++h)
+    for (int64_t e = 0; e < 16; ++e) {
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(rows32 + (32 * h + 2 * e) * words);
+      const uint16_t* b = a + A;
+      for (int64_t c = 0; c < p.C; c += 32) {
+        const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+        uint16_t* t0 = p.values + (((s0 / 32 + h) * c_tiles + c / 16) * 512) + e * 32;
+        _mm512_storeu_si512(t0, _mm512_permutex2var_epi16(va, lo, vb));
+        _mm512_storeu_si512(t0 + 512, _mm512_permutex2var_epi16(va, hi, vb));
+      }
+    }
+}
+
+constexpr int64_t kGroup = 16;  // query tiles that share each step's view rows while they are in cache
+
+struct Scratch {  // one thread's: a group of query tiles' state
+  std::vector<uint16_t> q = std::vector<uint16_t>(kGroup * kRows * 1024);  // per tile (A / 32) A tiles
+  std::vector<float> acc = std::vector<float>(kGroup * kRows * kMaxC);     // running values, per tile 16 x C
+  alignas(64) float scores[kRows * kStep];                                 // a step's scores, one tile
+  alignas(64) uint16_t probs[2 * kRows * 32];                              // its probabilities: two A tiles
+  float top[kGroup * kRows], total[kGroup * kRows];
+  int64_t limit[kGroup * kRows], span[kGroup];
+};
+
+// Query rows are taken token-major inside the kernel (row i is token i / N, head i % N), so a tile's rows
+// and a group's tiles have nearby positions. Rows [g * 256, + 256) (fewer at the end): flash attention over
+// their visible view rows, every tile of the group through one step's view rows before the next step.
+void group_rows(const Problem& p, int64_t g, Scratch& w) {
+  const int64_t A = p.A, C = p.C, kk_tiles = A / 32, c_tiles = C / 16;
+  const int64_t first = g * kGroup * kRows, n = std::min<int64_t>(kGroup * kRows, p.rows - first);
+  const int64_t tiles = (n + kRows - 1) / kRows;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t span = 0;
+  for (int64_t x = 0; x < tiles; ++x) w.span[x] = 0;
+  for (int64_t i = 0; i < tiles * kRows; ++i) {
+    const int64_t row = first + i, token = row / p.N, head = row % p.N;
+    const bool real = i < n;
+    w.limit[i] = real ? std::min<int64_t>(p.pos[token] + 1, p.valid) : 0;
+    w.span[i / kRows] = std::max(w.span[i / kRows], w.limit[i]);
+    span = std::max(span, w.limit[i]);
+    w.top[i] = neg_inf, w.total[i] = 0.f;
+    for (int64_t kk = 0; kk < kk_tiles; ++kk) {  // tile i / 16's A tile kk holds dims 32 kk .. + 32
+      uint16_t* dst = w.q.data() + ((i / kRows) * kk_tiles + kk) * 512 + (i % kRows) * 32;
+      if (real) std::memcpy(dst, p.q + (head * p.T + token) * A + kk * 32, 64);
+      else std::memset(dst, 0, 64);
+    }
+  }
+  std::memset(w.acc.data(), 0, sizeof(float) * tiles * kRows * C);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+
+  for (int64_t s0 = 0; s0 < span; s0 += kStep) {
+    const uint16_t* keys = p.keys + (s0 / 16) * kk_tiles * 512;
+    const uint16_t* values = p.values + (s0 / 32) * c_tiles * 512;
+    for (int64_t x = 0; x < tiles; ++x) {
+      if (s0 >= w.span[x]) continue;
+      const uint16_t* q = w.q.data() + x * kk_tiles * 512;
+      float* acc = w.acc.data() + x * kRows * C;
+      // scores (16 x 64) = queries (16 x A) . keys (A x 64): four accumulators, one per 16 view rows
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kk = 0; kk < kk_tiles; ++kk) {
+        _tile_loadd(4, q + kk * 512, 64);
+        _tile_loadd(5, keys + (0 * kk_tiles + kk) * 512, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, keys + (1 * kk_tiles + kk) * 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, keys + (2 * kk_tiles + kk) * 512, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, keys + (3 * kk_tiles + kk) * 512, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, w.scores, kStep * 4);
+      _tile_stored(1, w.scores + 16, kStep * 4);
+      _tile_stored(2, w.scores + 32, kStep * 4);
+      _tile_stored(3, w.scores + 48, kStep * 4);
+
+      // online softmax per row; probabilities to bfloat16 in two A tiles (view rows s0 .. +32, +32 .. +64)
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t i = x * kRows + r;
+        __m512 v[4];
+        __mmask16 seen[4];
+        __m512 m = _mm512_set1_ps(neg_inf);
+        for (int j = 0; j < 4; ++j) {
+          seen[j] = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(s0 + 16 * j))),
+                                            _mm512_set1_epi32(static_cast<int>(w.limit[i])));
+          v[j] = _mm512_mul_ps(_mm512_load_ps(w.scores + r * kStep + 16 * j), scale);
+          m = _mm512_mask_max_ps(m, seen[j], m, v[j]);
+        }
+        const float step_top = _mm512_reduce_max_ps(m);
+        uint16_t* p0 = w.probs + r * 32;
+        if (step_top == neg_inf) {  // nothing visible to this row in this step
+          std::memset(p0, 0, 64);
+          std::memset(p0 + 512, 0, 64);
+          continue;
+        }
+        const float new_top = std::max(w.top[i], step_top);
+        const __m512 t = _mm512_set1_ps(new_top);
+        __m512 sum = _mm512_setzero_ps();
+        __m512 e[4];
+        for (int j = 0; j < 4; ++j) {
+          e[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(v[j], t)));
+          sum = _mm512_add_ps(sum, e[j]);
+        }
+        const float rescale = w.top[i] == neg_inf ? 0.f : std::exp(w.top[i] - new_top);
+        w.total[i] = w.total[i] * rescale + _mm512_reduce_add_ps(sum);
+        if (rescale != 1.f) {
+          const __m512 k = _mm512_set1_ps(rescale);
+          for (int64_t c = 0; c < C; c += 16)
+            _mm512_storeu_ps(acc + r * C + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * C + c), k));
+        }
+        w.top[i] = new_top;
+        _mm512_store_si512(p0, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        _mm512_store_si512(p0 + 512, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+      }
+
+      // values: acc (16 x C) += probs (16 x 64) . view rows (64 x C), 16 columns at a time
+      _tile_loadd(6, w.probs, 64);
+      _tile_loadd(7, w.probs + 512, 64);
+      for (int64_t c = 0; c < c_tiles; c += 2) {  // two accumulators, so neither waits on the other's store
+        _tile_loadd(0, acc + c * 16, C * 4);
+        _tile_loadd(3, acc + c * 16 + 16, C * 4);
+        _tile_loadd(1, values + c * 512, 64);
+        _tile_dpbf16ps(0, 6, 1);
+        _tile_loadd(2, values + (c + 1) * 512, 64);
+        _tile_dpbf16ps(3, 6, 2);
+        _tile_loadd(4, values + (c_tiles + c) * 512, 64);
+        _tile_dpbf16ps(0, 7, 4);
+        _tile_loadd(5, values + (c_tiles + c + 1) * 512, 64);
+        _tile_dpbf16ps(3, 7, 5);
+        _tile_stored(0, acc + c * 16, C * 4);
+        _tile_stored(3, acc + c * 16 + 16, C * 4);
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = first + i, token = row / p.N, head = row % p.N;
+    const float inv = w.total[i] > 0.f ? 1.f / w.total[i] : 0.f;
+    const float* acc = w.acc.data() + i * C;
+    float* out = p.out + (head * p.T + token) * C;
+    for (int64_t c = 0; c < C; ++c) out[c] = acc[c] * inv;
+  }
+}
+
+// Items [0, items) on the calling thread and XLA's intra-op threads.
+template <typename F>
+void parallel(ffi::ThreadPool& threads, int64_t items, bool tiles, F&& body) {
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    if (tiles) {
+      const TileConfig config;
+      _tile_loadconfig(&config);
+    }
+    for (int64_t i; (i = next.fetch_add(1)) < items;) body(i);
+    if (tiles) _tile_release();
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads.num_threads(), 1), items) - 1;
+  std::atomic<int64_t> done{0};
+  for (int64_t i = 0; i < helpers; ++i)
+    threads.Schedule([&work, &done] {
+      work();
+      done.fetch_add(1, std::memory_order_release);
+    });
+  work();
+  while (done.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+}
+
+#endif  // DEEPINFER_AMX_ATTENTION
+
+bool available() {
+#ifdef DEEPINFER_AMX_ATTENTION
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+ffi::Error MlaPrefillAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ffi::Buffer<ffi::U16> view,
+                                   ffi::Buffer<ffi::S32> pos, float scale, int64_t valid, int64_t C,
+                                   ffi::ResultBuffer<ffi::F32> out) {
+  if (!available()) return ffi::Error::Internal("mla_prefill_attention: this CPU or build has no AMX");
+#ifdef DEEPINFER_AMX_ATTENTION
+  const auto qd = q.dimensions(), vd = view.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || vd.size() != 2 || od.size() != 3 || q.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("mla_prefill_attention: q (N, T, A) bfloat16, view (S, A), out (N, T, C)");
+  Problem p;
+  p.N = qd[0], p.T = qd[1], p.A = qd[2], p.C = C, p.rows = p.N * p.T, p.valid = valid, p.scale = scale;
+  if (vd[1] != p.A || od[0] != p.N || od[1] != p.T || od[2] != C || pos.element_count() != static_cast<size_t>(p.T))
+    return ffi::Error::InvalidArgument("mla_prefill_attention: mismatched shapes");
+  if (p.A % 32 || p.A > 1024 || C % 32 || C > p.A || C > kMaxC || valid < 0 || valid > vd[0])
+    return ffi::Error::InvalidArgument("mla_prefill_attention: A and C multiples of 32, C <= A <= 1024, valid <= S");
+  p.q = static_cast<const uint16_t*>(q.untyped_data()), p.view = view.typed_data(), p.pos = pos.typed_data();
+  p.out = out->typed_data();
+  int64_t last = 0;
+  for (int64_t t = 0; t < p.T; ++t) last = std::max<int64_t>(last, std::min<int64_t>(p.pos[t] + 1, valid));
+  p.span = (last + kStep - 1) / kStep * kStep;
+  // The laid-out view, reused across calls on this thread (grown, never shrunk): no page faults per call.
+  thread_local std::vector<uint16_t> keys, values;
+  if (keys.size() < static_cast<size_t>(p.span * p.A)) keys.resize(p.span * p.A);
+  if (values.size() < static_cast<size_t>(p.span * C)) values.resize(p.span * C);
+  p.keys = keys.data(), p.values = values.data();
+  parallel(threads, p.span / kStep, false, [&](int64_t i) { lay_out(p, i * kStep); });
+  parallel(threads, (p.rows + kGroup * kRows - 1) / (kGroup * kRows), true, [&](int64_t g) {
+    thread_local Scratch* scratch = new Scratch;  // one per thread, kept
+    group_rows(p, g, *scratch);
+  });
+#endif
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" int MlaPrefillAttentionAvailable() { return available() ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaPrefillAttention, MlaPrefillAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("valid")
+                                  .Attr<int64_t>("C")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
