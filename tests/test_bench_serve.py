@@ -2,8 +2,11 @@
 import json
 import math
 
-from bench import decode_bench, few_rows_bench, prefill_passes, report, serve_bench, serve_report
+import pytest
+
+from bench import decode_bench, few_rows_bench, prefill_kernel_bench, prefill_passes, report, serve_bench, serve_report
 from bench.serve_client import Result, percentiles, summarize
+from model import cpu_kernels
 
 
 def test_serving_metrics_are_vllms_definitions():
@@ -60,6 +63,16 @@ def test_few_rows_bench_measures_every_projection_shape_at_each_row_count():
     shapes = {(p["out"], p["in"]) for p in result["products"]}
     assert (129_280, 64) in shapes and len(result["products"]) == len(shapes) * len(result["rows"])
     assert all(p["kernel"] > 0 and p["xla"] > 0 for p in result["products"])
+
+
+def test_prefill_kernel_bench_measures_the_kernel_beside_xla():
+    if not cpu_kernels.prefill_attention_available():
+        pytest.skip("the prefill attention kernel needs AMX")
+    assert prefill_kernel_bench.main(["--preset", "mini", "--quick", "--repeats", "1", "--no-report"]) == 0
+    result = json.loads((report.OUT / "prefill_kernel_bench.json").read_text())
+    assert [(r["tokens"], r["context"]) for r in result["layer"]] == list(prefill_kernel_bench.QUICK)
+    assert [(r["tokens"], r["context"]) for r in result["segments"]] == list(prefill_kernel_bench.QUICK)
+    assert all(r["kernel"] > 0 and r["xla"] > 0 for r in result["layer"] + result["segments"])
 
 
 def test_prefill_passes_measures_one_pass_against_one_by_one():
