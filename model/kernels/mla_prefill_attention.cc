@@ -3,9 +3,9 @@
 // Each query row (a head of a token: [q_nope @ W_UK | q_pe], A = C + R wide) attends over the rows of a
 // sequence's latent view ([c_kv | k_pe], A wide) up to its own position: scores against the whole
 // latent, a softmax, values from the first C columns (FlashMLA's layout). This is what
-// `MLAttention._attend_blockwise` computes in XLA for a short chunk over a long view; there the scores
-// went to memory and back for each of the mask, the max, the exponent, the sum and the conversion, and the
-// products ran at about a quarter of the matrix units' rate (BENCHMARKS.md, prefill attention kernel).
+// `MLAttention._attend_blockwise` computes in XLA; there the scores go to memory and back for each of the
+// mask, the max, the exponent, the sum and the conversion (BENCHMARKS.md, prefill attention kernel, has
+// both side by side).
 // Here it is flash attention on tiles: 16 query rows to a tile, 64 view rows per step, the scores of a step
 // kept in a 4 KB buffer, an online softmax in AVX-512, probabilities rounded to bfloat16 (as XLA's path
 // rounds them) and the values accumulated in float32. Groups of 16 tiles (256 query rows) go through each
