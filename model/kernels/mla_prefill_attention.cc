@@ -9,7 +9,8 @@
 // Here it is flash attention on tiles: 16 query rows to a tile, 64 view rows per step, the scores of a step
 // kept in a 4 KB buffer, an online softmax in AVX-512, probabilities rounded to bfloat16 (as XLA's path
 // rounds them) and the values accumulated in float32. Groups of 16 tiles (256 query rows) go through each
-// step's view rows together, so the view streams from memory once per group, not once per tile.
+// step's view rows together, so the view streams from memory once per group, not once per tile, and two
+// tiles at a time, so each key and value tile loaded serves both.
 //
 // The view is re-laid once per call for the tiles, shared by every query row: keys as (dim pairs x rows)
 // tiles, values as (row pairs x columns) tiles. Query tiles go to XLA's intra-op threads.
@@ -161,19 +162,68 @@ constexpr int64_t kGroup = 16;  // query tiles that share each step's view rows 
 struct Scratch {  // one thread's: a group of query tiles' state
   std::vector<uint16_t> q = std::vector<uint16_t>(kGroup * kRows * 1024);  // per tile (A / 32) A tiles
   std::vector<float> acc = std::vector<float>(kGroup * kRows * kMaxC);     // running values, per tile 16 x C
-  alignas(64) float scores[kRows * kStep];                                 // a step's scores, one tile
-  alignas(64) uint16_t probs[2 * kRows * 32];                              // its probabilities: two A tiles
+  alignas(64) float scores[2][kRows * kStep];                              // a step's scores, a pair of tiles
+  alignas(64) uint16_t probs[2][2 * kRows * 32];                           // their probabilities: two A tiles each
   float top[kGroup * kRows], total[kGroup * kRows];
   int64_t limit[kGroup * kRows], span[kGroup];
 };
 
+// The online softmax of tile x's 16 rows over view rows [s0, s0 + 64) (their scores in `scores`), the
+// running values rescaled where a row's maximum grew; probabilities to bfloat16 in two A tiles in `probs`
+// (view rows s0 .. +32 and +32 .. +64), zeros where a row sees none of these view rows.
+void softmax_step(const Problem& p, Scratch& w, int64_t x, int64_t s0, const float* scores, uint16_t* probs) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  float* acc = w.acc.data() + x * kRows * p.C;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t i = x * kRows + r;
+    __m512 v[4];
+    __mmask16 seen[4];
+    __m512 m = _mm512_set1_ps(neg_inf);
+    for (int j = 0; j < 4; ++j) {
+      seen[j] = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(s0 + 16 * j))),
+                                        _mm512_set1_epi32(static_cast<int>(w.limit[i])));
+      v[j] = _mm512_mul_ps(_mm512_load_ps(scores + r * kStep + 16 * j), scale);
+      m = _mm512_mask_max_ps(m, seen[j], m, v[j]);
+    }
+    const float step_top = _mm512_reduce_max_ps(m);
+    uint16_t* p0 = probs + r * 32;
+    if (step_top == neg_inf) {  // nothing visible to this row in this step
+      std::memset(p0, 0, 64);
+      std::memset(p0 + 512, 0, 64);
+      continue;
+    }
+    const float new_top = std::max(w.top[i], step_top);
+    const __m512 t = _mm512_set1_ps(new_top);
+    __m512 sum = _mm512_setzero_ps();
+    __m512 e[4];
+    for (int j = 0; j < 4; ++j) {
+      e[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(v[j], t)));
+      sum = _mm512_add_ps(sum, e[j]);
+    }
+    const float rescale = w.top[i] == neg_inf ? 0.f : std::exp(w.top[i] - new_top);
+    w.total[i] = w.total[i] * rescale + _mm512_reduce_add_ps(sum);
+    if (rescale != 1.f) {
+      const __m512 k = _mm512_set1_ps(rescale);
+      for (int64_t c = 0; c < p.C; c += 16)
+        _mm512_storeu_ps(acc + r * p.C + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * p.C + c), k));
+    }
+    w.top[i] = new_top;
+    _mm512_store_si512(p0, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+    _mm512_store_si512(p0 + 512, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+  }
+}
+
 // Query rows are taken token-major inside the kernel (row i is token i / N, head i % N), so a tile's rows
 // and a group's tiles have nearby positions. Rows [g * 256, + 256) (fewer at the end): flash attention over
-// their visible view rows, every tile of the group through one step's view rows before the next step.
+// their visible view rows, every tile of the group through one step's view rows before the next step, two
+// tiles at a time so that each key and value tile loaded serves both (a group's odd last tile pairs with an
+// empty one).
 void group_rows(const Problem& p, int64_t g, Scratch& w) {
   const int64_t A = p.A, C = p.C, kk_tiles = A / 32, c_tiles = C / 16;
   const int64_t first = g * kGroup * kRows, n = std::min<int64_t>(kGroup * kRows, p.rows - first);
-  const int64_t tiles = (n + kRows - 1) / kRows;
+  const int64_t tiles = (n + 2 * kRows - 1) / (2 * kRows) * 2;  // even
   const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t span = 0;
   for (int64_t x = 0; x < tiles; ++x) w.span[x] = 0;
@@ -191,92 +241,60 @@ void group_rows(const Problem& p, int64_t g, Scratch& w) {
     }
   }
   std::memset(w.acc.data(), 0, sizeof(float) * tiles * kRows * C);
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 
   for (int64_t s0 = 0; s0 < span; s0 += kStep) {
     const uint16_t* keys = p.keys + (s0 / 16) * kk_tiles * 512;
     const uint16_t* values = p.values + (s0 / 32) * c_tiles * 512;
-    for (int64_t x = 0; x < tiles; ++x) {
-      if (s0 >= w.span[x]) continue;
-      const uint16_t* q = w.q.data() + x * kk_tiles * 512;
-      float* acc = w.acc.data() + x * kRows * C;
-      // scores (16 x 64) = queries (16 x A) . keys (A x 64): four accumulators, one per 16 view rows
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kk = 0; kk < kk_tiles; ++kk) {
-        _tile_loadd(4, q + kk * 512, 64);
-        _tile_loadd(5, keys + (0 * kk_tiles + kk) * 512, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, keys + (1 * kk_tiles + kk) * 512, 64);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, keys + (2 * kk_tiles + kk) * 512, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, keys + (3 * kk_tiles + kk) * 512, 64);
-        _tile_dpbf16ps(3, 4, 6);
+    for (int64_t x = 0; x < tiles; x += 2) {
+      if (s0 >= std::max(w.span[x], w.span[x + 1])) continue;
+      const uint16_t* qx = w.q.data() + x * kk_tiles * 512;
+      const uint16_t* qy = qx + kk_tiles * 512;
+      // scores of the pair (2 x 16 x 64) = queries (2 x 16 x A) . keys (A x 64), 32 view rows at a time:
+      // accumulators 0-1 for tile x, 2-3 for tile x + 1, each (query tile, key tile) load used twice
+      for (int64_t h = 0; h < 2; ++h) {
+        const uint16_t* k0 = keys + (2 * h) * kk_tiles * 512;
+        const uint16_t* k1 = k0 + kk_tiles * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kk = 0; kk < kk_tiles; ++kk) {
+          _tile_loadd(4, qx + kk * 512, 64);
+          _tile_loadd(6, k0 + kk * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(5, qy + kk * 512, 64);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_loadd(7, k1 + kk * 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, w.scores[0] + 32 * h, kStep * 4);
+        _tile_stored(1, w.scores[0] + 32 * h + 16, kStep * 4);
+        _tile_stored(2, w.scores[1] + 32 * h, kStep * 4);
+        _tile_stored(3, w.scores[1] + 32 * h + 16, kStep * 4);
       }
-      _tile_stored(0, w.scores, kStep * 4);
-      _tile_stored(1, w.scores + 16, kStep * 4);
-      _tile_stored(2, w.scores + 32, kStep * 4);
-      _tile_stored(3, w.scores + 48, kStep * 4);
+      softmax_step(p, w, x, s0, w.scores[0], w.probs[0]);
+      softmax_step(p, w, x + 1, s0, w.scores[1], w.probs[1]);
 
-      // online softmax per row; probabilities to bfloat16 in two A tiles (view rows s0 .. +32, +32 .. +64)
-      for (int64_t r = 0; r < kRows; ++r) {
-        const int64_t i = x * kRows + r;
-        __m512 v[4];
-        __mmask16 seen[4];
-        __m512 m = _mm512_set1_ps(neg_inf);
-        for (int j = 0; j < 4; ++j) {
-          seen[j] = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(s0 + 16 * j))),
-                                            _mm512_set1_epi32(static_cast<int>(w.limit[i])));
-          v[j] = _mm512_mul_ps(_mm512_load_ps(w.scores + r * kStep + 16 * j), scale);
-          m = _mm512_mask_max_ps(m, seen[j], m, v[j]);
-        }
-        const float step_top = _mm512_reduce_max_ps(m);
-        uint16_t* p0 = w.probs + r * 32;
-        if (step_top == neg_inf) {  // nothing visible to this row in this step
-          std::memset(p0, 0, 64);
-          std::memset(p0 + 512, 0, 64);
-          continue;
-        }
-        const float new_top = std::max(w.top[i], step_top);
-        const __m512 t = _mm512_set1_ps(new_top);
-        __m512 sum = _mm512_setzero_ps();
-        __m512 e[4];
-        for (int j = 0; j < 4; ++j) {
-          e[j] = _mm512_maskz_mov_ps(seen[j], exp_nonpositive(_mm512_sub_ps(v[j], t)));
-          sum = _mm512_add_ps(sum, e[j]);
-        }
-        const float rescale = w.top[i] == neg_inf ? 0.f : std::exp(w.top[i] - new_top);
-        w.total[i] = w.total[i] * rescale + _mm512_reduce_add_ps(sum);
-        if (rescale != 1.f) {
-          const __m512 k = _mm512_set1_ps(rescale);
-          for (int64_t c = 0; c < C; c += 16)
-            _mm512_storeu_ps(acc + r * C + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * C + c), k));
-        }
-        w.top[i] = new_top;
-        _mm512_store_si512(p0, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-        _mm512_store_si512(p0 + 512, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
-      }
-
-      // values: acc (16 x C) += probs (16 x 64) . view rows (64 x C), 16 columns at a time
-      _tile_loadd(6, w.probs, 64);
-      _tile_loadd(7, w.probs + 512, 64);
-      for (int64_t c = 0; c < c_tiles; c += 2) {  // two accumulators, so neither waits on the other's store
-        _tile_loadd(0, acc + c * 16, C * 4);
-        _tile_loadd(3, acc + c * 16 + 16, C * 4);
-        _tile_loadd(1, values + c * 512, 64);
-        _tile_dpbf16ps(0, 6, 1);
-        _tile_loadd(2, values + (c + 1) * 512, 64);
-        _tile_dpbf16ps(3, 6, 2);
-        _tile_loadd(4, values + (c_tiles + c) * 512, 64);
-        _tile_dpbf16ps(0, 7, 4);
-        _tile_loadd(5, values + (c_tiles + c + 1) * 512, 64);
-        _tile_dpbf16ps(3, 7, 5);
-        _tile_stored(0, acc + c * 16, C * 4);
-        _tile_stored(3, acc + c * 16 + 16, C * 4);
+      // values: acc (16 x C) += probs (16 x 64) . view rows (64 x C) for both tiles, 16 columns at a time;
+      // A tiles 4-5 tile x's probabilities, 6-7 tile x + 1's; each value tile loaded serves both
+      float* ax = w.acc.data() + x * kRows * C;
+      float* ay = ax + kRows * C;
+      _tile_loadd(4, w.probs[0], 64);
+      _tile_loadd(5, w.probs[0] + 512, 64);
+      _tile_loadd(6, w.probs[1], 64);
+      _tile_loadd(7, w.probs[1] + 512, 64);
+      for (int64_t c = 0; c < c_tiles; ++c) {
+        _tile_loadd(0, ax + c * 16, C * 4);
+        _tile_loadd(1, ay + c * 16, C * 4);
+        _tile_loadd(2, values + c * 512, 64);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 6, 2);
+        _tile_loadd(3, values + (c_tiles + c) * 512, 64);
+        _tile_dpbf16ps(0, 5, 3);
+        _tile_dpbf16ps(1, 7, 3);
+        _tile_stored(0, ax + c * 16, C * 4);
+        _tile_stored(1, ay + c * 16, C * 4);
       }
     }
   }
