@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_mla_decode.cc", "few_row_product.cc",
                                                                                  "mla_prefill_attention.cc"))
+HEADERS = (Path(__file__).with_name("kernels") / "parallel.h",)  # included by the sources
 TARGET = "deepinfer_paged_mla_decode"
 FEW_ROWS_TARGET = "deepinfer_few_row_product"
 PREFILL_TARGET = "deepinfer_mla_prefill_attention"
@@ -65,7 +66,8 @@ def _build(compiler: str) -> Path:
     """The shared library for this source, compiler, JAX and CPU: from the cache, else compiled into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), compiler, version, " ".join(FLAGS), jax.__version__,
+    texts = [path.read_text() for path in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, " ".join(FLAGS), jax.__version__,
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:20]
     out = _cache_dir() / f"deepinfer-kernels-{key}.so"
     if out.exists():
@@ -145,7 +147,8 @@ def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
     products summed in float32; (M, O) float32. Each weight is read once for all rows
     (kernels/few_row_product.cc)."""
     (M, _), (O, _) = x_MI.shape, w_OI.shape
-    return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32))(x_MI.astype(jnp.float32), w_OI)
+    return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
+                            vmap_method="sequential")(x_MI.astype(jnp.float32), w_OI)
 
 
 def prefill_attention_available() -> bool:

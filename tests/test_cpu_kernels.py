@@ -224,7 +224,8 @@ needs_amx = pytest.mark.skipif(not cpu_kernels.prefill_attention_available(), re
 @needs_amx
 @pytest.mark.parametrize("N, T, S, view, start, A, C", [
     (8, 64, 2048, 2048, 1984, 576, 512),  # mini's widths: a short chunk at the end of a long view
-    (8, 37, 700, 650, 600, 576, 512),     # T not a multiple of 16; the last positions past the view
+    (8, 37, 700, 650, 600, 576, 512),     # T not a multiple of 16
+    (8, 37, 700, 650, 640, 576, 512),     # positions past the view: the last step's rows zero-filled
     (4, 16, 128, 128, 0, 64, 32),         # the first chunk of a prompt: each query sees itself and before
     (3, 130, 320, 300, 10, 96, 64),       # several groups of 256 rows; positions cross steps of 64
 ])

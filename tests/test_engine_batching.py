@@ -209,6 +209,39 @@ def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny)
     assert not paged.batchable(256, 256)  # a long segment computes alone (faster there)
 
 
+def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pass():
+    """Latent widths our prefill attention kernel takes (tiny's 48 is not), pages of 16 tokens: a pass of
+    several sequences runs both kernels under vmap (each tile's projections are 16 rows: the few-row kernel).
+    Logits alone and in one pass, and the next decode step, within bfloat16 tolerance of XLA's path."""
+    from model import cpu_kernels
+    if not cpu_kernels.prefill_attention_available():
+        pytest.skip("the prefill attention kernel needs AMX")
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
+    checkpoint = init_model(cfg)
+    models = {"kernels": serving_model(checkpoint, "bfloat16"),
+              "xla": serving_model(checkpoint, "bfloat16", few_row_kernel=False, prefill_kernel=False)}
+    assert models["kernels"].layers[0].attn.prefill_kernel and models["kernels"].head.lm_head.few_rows
+    specs = [(40, 0), (20, 48), (16, 100)]  # (segment tokens, start)
+    prompts = [prompt(60 + i, start + n) for i, (n, start) in enumerate(specs)]
+    tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(specs))]
+    out = {}
+    for name, model in models.items():
+        paged = PagedRunner(model, cfg, LatentPool(cfg, 40, 16), chunk_tokens=64)
+        assert paged.dense.prefill_kernel == (name == "kernels")
+        for p, (n, start), table in zip(prompts, specs, tables):
+            if start:
+                paged.prefill(p[:start], 0, table, False)
+        alone = [np.asarray(paged.prefill(p[start:], start, table, True)) for p, (n, start), table in
+                 zip(prompts, specs, tables)]
+        together = np.asarray(paged.prefill_segments([Segment(p[start:], start, table) for p, (n, start), table in
+                                                      zip(prompts, specs, tables)]))[:len(specs)]
+        step = np.asarray(paged.decode([DecodeRow(int(np.argmax(row)), start + n, table)
+                                        for row, (n, start), table in zip(alone, specs, tables)]))[:len(specs)]
+        out[name] = np.stack(alone), together, step
+    for got, want in zip(out["kernels"], out["xla"]):
+        np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 def test_a_steps_short_segments_share_passes_by_context_and_long_ones_go_alone(tiny, tmp_path, invariant):
     """Engine._prefill_passes: short segments packed in order of where they end, up to MAX_PASS_TILES tiles a

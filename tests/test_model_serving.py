@@ -46,6 +46,14 @@ def test_one_row_and_many_rows_give_the_same_row(checkpoint):
     np.testing.assert_allclose(alone[0], together[0], rtol=1e-6, atol=1e-6)
 
 
+def test_without_the_kernel_one_row_is_computed_as_two_and_agrees(checkpoint):
+    """XLA's path (GPUs, TPUs, CPUs without our kernels): a one-row bfloat16 product computed as two rows."""
+    linear = ServingLinear(serving_model(checkpoint, "bfloat16").head.lm_head.weight[...], few_rows=False)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 64)), jnp.float32)
+    assert "deepinfer_few_row_product" not in jax.jit(linear).lower(x[:1]).as_text()
+    np.testing.assert_allclose(np.asarray(linear(x[:1]))[0], np.asarray(linear(x))[0], rtol=1e-6, atol=1e-6)
+
+
 def test_a_few_rows_take_the_cpu_kernel_and_agree_with_xlas_product(checkpoint):
     """On the CPU, a few rows (up to 32 with AMX, else 4) are our few-row kernel (the weights streamed once),
     more rows XLA's product."""

@@ -31,6 +31,7 @@
 #define DEEPINFER_AMX 1
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -229,9 +230,11 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   };
   int64_t unit = kBlockRows;  // an item's rows are a multiple of this
   std::function<void(int64_t, int64_t)> run = dots;
+  bool tiles = false;
 #ifdef DEEPINFER_AMX
   std::vector<uint16_t> xv;
-  if (M > 1) {  // AMX: x as bfloat16 pairs in groups of 16 rows, zero rows padding the last group
+  if (M > 1 && amx_granted()) {
+    tiles = true;  // AMX: x as bfloat16 pairs in groups of 16 rows, zero rows padding the last group
     unit = 32;
     xv.assign((M + 15) / 16 * 16 * I, 0);
     for (int64_t m = 0; m < M; ++m)  // a pair of bfloat16 moves as one 32-bit word
@@ -250,29 +253,18 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   const int64_t workers = std::max<int64_t>(threads.num_threads(), 1);
   const int64_t item = std::max<int64_t>(unit, std::min<int64_t>(kItemRows, (O / workers + unit - 1) / unit * unit));
   const int64_t items = (O + item - 1) / item;
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
+  deepinfer::parallel_items(threads, items, [&](int64_t first, auto claim) {
 #ifdef DEEPINFER_AMX
-    const bool tiles = M > 1;
     if (tiles) {  // tile state is per thread: configured for this call, released after it
       const TileConfig config;
       _tile_loadconfig(&config);
     }
 #endif
-    for (int64_t i; (i = next.fetch_add(1)) < items;) run(i * item, std::min(O, (i + 1) * item));
+    for (int64_t i = first; i >= 0; i = claim()) run(i * item, std::min(O, (i + 1) * item));
 #ifdef DEEPINFER_AMX
     if (tiles) _tile_release();
 #endif
-  };
-  const int64_t helpers = std::min(workers, items) - 1;
-  std::atomic<int64_t> done{0};
-  for (int64_t i = 0; i < helpers; ++i)
-    threads.Schedule([&work, &done] {
-      work();
-      done.fetch_add(1, std::memory_order_release);
-    });
-  work();
-  while (done.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+  });
   return ffi::Error::Success();
 }
 

@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -307,27 +308,18 @@ void group_rows(const Problem& p, int64_t g, Scratch& w) {
   }
 }
 
-// Items [0, items) on the calling thread and XLA's intra-op threads.
+// Items [0, items) on the calling thread and XLA's intra-op threads (parallel.h), with AMX tiles configured
+// on each thread that takes part when `tiles`.
 template <typename F>
 void parallel(ffi::ThreadPool& threads, int64_t items, bool tiles, F&& body) {
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
+  deepinfer::parallel_items(threads, items, [&](int64_t first, auto claim) {
     if (tiles) {
       const TileConfig config;
       _tile_loadconfig(&config);
     }
-    for (int64_t i; (i = next.fetch_add(1)) < items;) body(i);
+    for (int64_t i = first; i >= 0; i = claim()) body(i);
     if (tiles) _tile_release();
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(threads.num_threads(), 1), items) - 1;
-  std::atomic<int64_t> done{0};
-  for (int64_t i = 0; i < helpers; ++i)
-    threads.Schedule([&work, &done] {
-      work();
-      done.fetch_add(1, std::memory_order_release);
-    });
-  work();
-  while (done.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+  });
 }
 
 #endif  // DEEPINFER_AMX_ATTENTION

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -281,33 +282,24 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
   // calling thread works too); whoever finishes a sequence's last piece folds its pieces, always in order:
   // how a sequence is cut depends on its length alone, never on the batch.
   const int64_t split = std::max<int64_t>(1, kSplitRows / p.T) * p.T;
-  std::vector<int64_t> first(p.B + 1, 0);  // sequence b's pieces are items [first[b], first[b + 1])
-  for (int64_t b = 0; b < p.B; ++b) first[b + 1] = first[b] + std::max<int64_t>(1, (p.lengths[b] + split - 1) / split);
-  const int64_t items = first[p.B];
+  std::vector<int64_t> first_piece(p.B + 1, 0);  // sequence b's pieces are items [first_piece[b], first_piece[b + 1])
+  for (int64_t b = 0; b < p.B; ++b)
+    first_piece[b + 1] = first_piece[b] + std::max<int64_t>(1, (p.lengths[b] + split - 1) / split);
+  const int64_t items = first_piece[p.B];
   std::vector<float> states(items * p.N * (p.C + 2));
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[p.B]);
-  for (int64_t b = 0; b < p.B; ++b) left[b].store(first[b + 1] - first[b]);
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
+  for (int64_t b = 0; b < p.B; ++b) left[b].store(first_piece[b + 1] - first_piece[b]);
+  deepinfer::parallel_items(pool_threads, items, [&](int64_t first, auto claim) {
     Scratch scratch(p);
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      const int64_t start = (i - first[b]) * split;
+    for (int64_t i = first; i >= 0; i = claim()) {
+      const int64_t b = std::upper_bound(first_piece.begin(), first_piece.end(), i) - first_piece.begin() - 1;
+      const int64_t start = (i - first_piece[b]) * split;
       piece(p, b, start, std::min<int64_t>(p.lengths[b], start + split), scratch,
             State(states.data() + i * p.N * (p.C + 2), p.N));
       if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        finish(p, b, first[b], first[b + 1] - first[b], states, scratch);
+        finish(p, b, first_piece[b], first_piece[b + 1] - first_piece[b], states, scratch);
     }
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool_threads.num_threads(), 1), items) - 1;
-  std::atomic<int64_t> done{0};
-  for (int64_t i = 0; i < helpers; ++i)
-    pool_threads.Schedule([&work, &done] {
-      work();
-      done.fetch_add(1, std::memory_order_release);
-    });
-  work();
-  while (done.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+  });
   return ffi::Error::Success();
 }
 
