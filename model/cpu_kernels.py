@@ -10,7 +10,7 @@
 
 Both are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
 (-march=native) into one library in the compilation cache's directory, keyed by everything that shapes
-the binary, so a machine builds it once (about 5 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0,
+the binary, so a machine builds it once (about 7 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0,
 they are unavailable and the model uses XLA's products: same results within fp tolerance, slower.
 
 On a GPU or TPU the kernels are never used (callers ask `available` for their arrays' platform).
