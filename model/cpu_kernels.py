@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_mla_decode.cc", "few_row_product.cc",
                                                                                  "mla_prefill_attention.cc"))
-HEADERS = (Path(__file__).with_name("kernels") / "parallel.h",)  # included by the sources
+HEADERS = tuple(Path(__file__).with_name("kernels") / name for name in ("parallel.h", "amx.h"))  # included by them
 TARGET = "deepinfer_paged_mla_decode"
 FEW_ROWS_TARGET = "deepinfer_few_row_product"
 PREFILL_TARGET = "deepinfer_mla_prefill_attention"

@@ -163,8 +163,12 @@ class MLAttention(nnx.Module):
         AMX tiles over the latent view's raw bits, in blocks of 64 rows from row 0 whatever T and view are."""
         out_NTC = cpu_kernels.mla_prefill_attention(self._absorbed_queries(q_nope_NTH, q_pe_NTR), cache_SA,
                                                     positions_T, self.scale, view, self.kv_lora_rank)
-        return jnp.einsum("ntc,cnv->ntv", out_NTC.astype(q_nope_NTH.dtype), self.w_uv[...],
-                          preferred_element_type=jnp.float32)
+        return self._latent_values(out_NTC.astype(q_nope_NTH.dtype))
+
+    def _latent_values(self, out_NTC: jax.Array) -> jax.Array:
+        """(N, T, V): the absorbed form's attention-weighted latents through W_UV (at their dtype, summed in
+        float32)."""
+        return jnp.einsum("ntc,cnv->ntv", out_NTC, self.w_uv[...], preferred_element_type=jnp.float32)
 
     def _attend_once(self, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded) -> jax.Array:
         """(N, T, V): every score of the chunk at once, (N, T, view) float32."""
@@ -182,8 +186,7 @@ class MLAttention(nnx.Module):
         probs_NTS = jax.nn.softmax(scores_NTS, axis=-1).astype(dtype)
         if expanded is None:
             out_lat_NTC = jnp.einsum("nts,sc->ntc", probs_NTS, c_SC, preferred_element_type=jnp.float32)
-            return jnp.einsum("ntc,cnv->ntv", out_lat_NTC.astype(dtype), self.w_uv[...],
-                              preferred_element_type=jnp.float32)
+            return self._latent_values(out_lat_NTC.astype(dtype))
         return jnp.einsum("nts,nsv->ntv", probs_NTS, expanded[1][:, :view], preferred_element_type=jnp.float32)
 
     def _attend_blockwise(self, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, block) -> jax.Array:
@@ -235,5 +238,5 @@ class MLAttention(nnx.Module):
         _, sum_NT, acc_NTX = jax.lax.fori_loop(0, blocks, step, init)
         out_NTX = (acc_NTX / sum_NT[..., None]).astype(dtype)
         if expanded is None:
-            return jnp.einsum("ntc,cnv->ntv", out_NTX, self.w_uv[...], preferred_element_type=jnp.float32)
+            return self._latent_values(out_NTX)
         return out_NTX

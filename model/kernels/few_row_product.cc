@@ -1,11 +1,13 @@
 // A product of a few rows with a bfloat16 weight matrix for the CPU, as an XLA FFI custom call.
 //
 // y (M, O) = x (M, I) @ W (O, I)^T for a few rows M: what `ServingLinear` computes for a decode step of a
-// few sequences (up to 32 on a CPU with AMX, else up to 4; `FewRowProductMaxRows` says which). Such a product reads every weight once and does little with it, so its
-// time should be the time to stream W from memory; XLA:CPU's bfloat16 product of one or two rows took
-// 1.6-1.8x this kernel's time on `mini`'s LM head (BENCHMARKS.md, few-row products). Here each weight row
-// is read once for all M rows (AVX-512 BF16 dot products, float32 sums), the next block of rows is
-// prefetched while this one is multiplied, and blocks of outputs go to XLA's intra-op threads.
+// few sequences (up to 32 on a CPU with AMX, else up to 4; `FewRowProductMaxRows` says which). Such a
+// product reads every weight once and does little with it, so its time should be the time to stream W from
+// memory; XLA:CPU's bfloat16 product of one or two rows took 1.6-1.8x this kernel's time on `mini`'s LM head
+// (BENCHMARKS.md, few-row products). Here each weight row is read once for all M rows, the next block of
+// rows is prefetched while this one is multiplied, and blocks of outputs go to XLA's intra-op threads. One
+// row is AVX-512 BF16 dot products; 2-32 rows are AMX tile products (16 weight rows by 16 x rows, x laid out
+// in bfloat16 pairs, padded with zero rows), where the CPU and the kernel allow AMX (amx.h); float32 sums.
 //
 // Inputs:  x   f32   (M, I): each row rounded to bfloat16 (to nearest even), as `x.astype(bfloat16)` does
 //          w   bf16  (O, I)
@@ -15,23 +17,16 @@
 // path (one row, or AMX for 2-32 rows): within a path a row's result does not depend on the other rows or
 // on how the outputs are shared.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define DEEPINFER_AMX 1
-#endif
 
-#include "parallel.h"
+#include "amx.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -130,20 +125,6 @@ void rows_block(const uint16_t* w, const uint16_t* xb, float* y, int64_t O, int6
 
 #ifdef DEEPINFER_AMX
 
-bool amx_granted() {  // Linux lends AMX's tile state to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM)
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-struct TileConfig {  // palette 1; every tile 16 rows of 64 bytes
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
-
 // Rows [o0, o1) of y, o1 - o0 a multiple of 32, for M x rows laid out as xv: groups of 16 rows, each
 // (I / 2, 16, 2) bfloat16 pairs, the last group padded with zero rows. Tiles 0-3 accumulate (16 weight rows
 // x 16 x rows), 4-5 hold 16 weight rows x 32 columns, 6-7 a group's 16 pairs x 16 rows.
@@ -168,7 +149,8 @@ void amx_block(const uint16_t* w, const uint16_t* xv, float* y, int64_t M, int64
       _tile_zero(3);
       for (int64_t k = 0; k < I; k += kStep) {
         if (g == 0)  // the same lines of the next 32 weight rows
-          for (int64_t r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(a0 + (32 + r) * I + k), _MM_HINT_T0);
+          for (int64_t r = 0; r < 32; ++r)
+            _mm_prefetch(reinterpret_cast<const char*>(a0 + (32 + r) * I + k), _MM_HINT_T0);
         _tile_loadd(4, a0 + k, I * 2);
         _tile_loadd(5, a1 + k, I * 2);
         _tile_loadd(6, b0 + k * 16, 64);
@@ -198,7 +180,7 @@ void amx_block(const uint16_t* w, const uint16_t* xv, float* y, int64_t M, int64
 
 int64_t max_rows() {
 #ifdef DEEPINFER_AMX
-  if (amx_granted()) return kMaxAmxRows;
+  if (deepinfer::amx_granted()) return kMaxAmxRows;
 #endif
   return kMaxRows;
 }
@@ -233,7 +215,7 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   bool tiles = false;
 #ifdef DEEPINFER_AMX
   std::vector<uint16_t> xv;
-  if (M > 1 && amx_granted()) {
+  if (M > 1 && deepinfer::amx_granted()) {
     tiles = true;  // AMX: x as bfloat16 pairs in groups of 16 rows, zero rows padding the last group
     unit = 32;
     xv.assign((M + 15) / 16 * 16 * I, 0);
@@ -253,18 +235,7 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   const int64_t workers = std::max<int64_t>(threads.num_threads(), 1);
   const int64_t item = std::max<int64_t>(unit, std::min<int64_t>(kItemRows, (O / workers + unit - 1) / unit * unit));
   const int64_t items = (O + item - 1) / item;
-  deepinfer::parallel_items(threads, items, [&](int64_t first, auto claim) {
-#ifdef DEEPINFER_AMX
-    if (tiles) {  // tile state is per thread: configured for this call, released after it
-      const TileConfig config;
-      _tile_loadconfig(&config);
-    }
-#endif
-    for (int64_t i = first; i >= 0; i = claim()) run(i * item, std::min(O, (i + 1) * item));
-#ifdef DEEPINFER_AMX
-    if (tiles) _tile_release();
-#endif
-  });
+  deepinfer::parallel_for(threads, items, tiles, [&](int64_t i) { run(i * item, std::min(O, (i + 1) * item)); });
   return ffi::Error::Success();
 }
 

@@ -24,21 +24,16 @@
 // A query row's result depends on its own query, its position and the view alone, summed in a fixed
 // order (blocks of 64 view rows from row 0): whatever else shares the call, its bits are the same.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
-#include "parallel.h"
+#include "amx.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(DEEPINFER_AMX) && defined(__AVX512BF16__)
 #define DEEPINFER_AMX_ATTENTION 1
 #endif
 
@@ -51,20 +46,6 @@ namespace {
 constexpr int64_t kRows = 16;   // query rows per tile
 constexpr int64_t kStep = 64;   // view rows per softmax step
 constexpr int64_t kMaxC = 1024; // value columns a call may have
-
-bool amx_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-struct TileConfig {  // palette 1; every tile 16 rows of 64 bytes
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
 
 // e^x for x <= 0 to ~2 ulp: 2^n e^f, n = round(x / ln 2), f = x - n ln 2 (two steps), e^f by degree 7.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -308,25 +289,11 @@ void group_rows(const Problem& p, int64_t g, Scratch& w) {
   }
 }
 
-// Items [0, items) on the calling thread and XLA's intra-op threads (parallel.h), with AMX tiles configured
-// on each thread that takes part when `tiles`.
-template <typename F>
-void parallel(ffi::ThreadPool& threads, int64_t items, bool tiles, F&& body) {
-  deepinfer::parallel_items(threads, items, [&](int64_t first, auto claim) {
-    if (tiles) {
-      const TileConfig config;
-      _tile_loadconfig(&config);
-    }
-    for (int64_t i = first; i >= 0; i = claim()) body(i);
-    if (tiles) _tile_release();
-  });
-}
-
 #endif  // DEEPINFER_AMX_ATTENTION
 
 bool available() {
 #ifdef DEEPINFER_AMX_ATTENTION
-  return amx_granted();
+  return deepinfer::amx_granted();
 #else
   return false;
 #endif
@@ -356,8 +323,8 @@ ffi::Error MlaPrefillAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ff
   if (keys.size() < static_cast<size_t>(p.span * p.A)) keys.resize(p.span * p.A);
   if (values.size() < static_cast<size_t>(p.span * C)) values.resize(p.span * C);
   p.keys = keys.data(), p.values = values.data();
-  parallel(threads, p.span / kStep, false, [&](int64_t i) { lay_out(p, i * kStep); });
-  parallel(threads, (p.rows + kGroup * kRows - 1) / (kGroup * kRows), true, [&](int64_t g) {
+  deepinfer::parallel_for(threads, p.span / kStep, false, [&](int64_t i) { lay_out(p, i * kStep); });
+  deepinfer::parallel_for(threads, (p.rows + kGroup * kRows - 1) / (kGroup * kRows), true, [&](int64_t g) {
     thread_local Scratch* scratch = new Scratch;  // one per thread, kept
     group_rows(p, g, *scratch);
   });
