@@ -119,6 +119,28 @@ def request_seed(params: SamplingParams) -> int:
     return params.seed % (1 << 64) if params.seed is not None else int.from_bytes(os.urandom(8), "little")
 
 
+ARGMAX_CHUNK = 128  # vocabulary entries per chunk of greedy_tokens' first pass
+
+
+def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
+    """jnp.argmax over the vocabulary (the first index of each row's maximum), as two plain reductions: the
+    maximum of every chunk of ARGMAX_CHUNK entries, then the first chunk holding the row's maximum and the first
+    entry in it. XLA:CPU computes argmax as one variadic reduction that it does not vectorize: for 16 rows of
+    129,280 float32 logits 3.3 ms against 0.7 (bfloat16: 5.7 against 0.5; 64 rows 13-21 ms against 1.6-2.1),
+    every decode step. A row with a NaN gives 0 (argmax would give the NaN's index)."""
+    B, V = logits_BV.shape
+    C = -(-V // ARGMAX_CHUNK)
+    padded_BV = logits_BV if C * ARGMAX_CHUNK == V else jnp.pad(
+        logits_BV, ((0, 0), (0, C * ARGMAX_CHUNK - V)), constant_values=-jnp.inf)
+    chunks_BCK = padded_BV.reshape(B, C, ARGMAX_CHUNK)
+    chunk_max_BC = jnp.max(chunks_BCK, axis=-1)
+    best_B1 = jnp.max(chunk_max_BC, axis=-1, keepdims=True)
+    chunk_B = jnp.argmax(chunk_max_BC == best_B1, axis=-1)  # the first chunk that holds the maximum
+    chunk_BK = jnp.take_along_axis(chunks_BCK, chunk_B[:, None, None], axis=1)[:, 0]
+    entry_B = jnp.argmax(chunk_BK == best_B1, axis=-1)
+    return (chunk_B * ARGMAX_CHUNK + entry_B).astype(jnp.int32)
+
+
 def _sample_keyed(logits_V, seed_2, step, temperature, top_p, top_k, cut: bool):
     """cut (static): some row of the batch has a top-k or top-p cut, which needs a sort of the vocabulary;
     without one a draw is one categorical over the scaled logits (a sort of 129K logits per row costs
@@ -134,12 +156,12 @@ def _sample_keyed(logits_V, seed_2, step, temperature, top_p, top_k, cut: bool):
 def _sample_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, cut: bool):
     sample = functools.partial(_sample_keyed, cut=cut)
     sampled_B = jax.vmap(sample)(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
-    return jnp.where(temperature_B > 0, sampled_B, jnp.argmax(logits_BV, axis=-1))
+    return jnp.where(temperature_B > 0, sampled_B, greedy_tokens(logits_BV))
 
 
 @jax.jit
 def _greedy_rows(logits_BV):
-    return jnp.argmax(logits_BV, axis=-1)
+    return greedy_tokens(logits_BV)
 
 
 @functools.partial(jax.jit, static_argnames=("top_n", "draw", "cut", "penalize", "bias", "mask"))
@@ -162,7 +184,7 @@ def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, to
         bits_BW32 = (allowed_BW[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)[None, None, :]) & 1  # uint32: logical
         bits_BV = bits_BW32.reshape(B, -1)[:, :V]
         shaped_BV = jnp.where(bits_BV > 0, shaped_BV, -jnp.inf)
-    sampled_B = jnp.argmax(shaped_BV, axis=-1)
+    sampled_B = greedy_tokens(shaped_BV)
     if draw:  # some row samples at a temperature
         sample = functools.partial(_sample_keyed, cut=cut)
         drawn_B = jax.vmap(sample)(shaped_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)

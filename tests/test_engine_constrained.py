@@ -11,7 +11,7 @@ import pytest
 
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
 from model.runner import ModelRunner
-from model.sampling import SamplingParams, SamplingRow, sample_batch
+from model.sampling import SamplingParams, SamplingRow, greedy_tokens, sample_batch
 from model.serving import serving_model
 from services.engine.config import EngineConfig
 from tests.test_engine_batching import Running, engine_config, prompt, tiny  # noqa: F401 - tiny is a fixture
@@ -197,6 +197,25 @@ def test_the_sampler_applies_penalties_and_bias_as_defined_and_reports_raw_logpr
     assert [t for t, _ in chosen.top] == np.argsort(-logp)[:20].tolist()
     assert np.exp(logp).sum() == pytest.approx(1.0, abs=1e-5)
     assert sum(np.exp(lp) for _, lp in chosen.top) <= 1.0
+
+
+@pytest.mark.parametrize("V", [VOCAB, 1000, 129_281], ids=["vocab", "short", "padded"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_greedy_tokens_are_argmaxs_first_index_of_the_maximum(V, dtype):
+    """greedy_tokens (two plain reductions over chunks) picks what jnp.argmax picks: ties go to the lowest id,
+    across chunks and within one, with -inf rows (a grammar mask) and a vocabulary that is not whole chunks."""
+    rng = np.random.default_rng(V)
+    logits = rng.normal(size=(9, V)).astype(np.float32)
+    logits[1, [7, 300, V - 1]] = 50.0  # a tie across chunks
+    logits[2, [129, 130]] = 50.0  # a tie inside one chunk
+    logits[3, :] = -np.inf
+    logits[3, V - 1] = 0.0  # only the last id allowed (in the padded chunk where V is not whole chunks)
+    logits[4, :] = -np.inf  # nothing allowed: argmax says 0
+    logits[5, :] = 3.0  # all equal
+    logits[6, V - 1] = 50.0
+    x = jnp.asarray(logits, dtype)
+    assert np.asarray(greedy_tokens(x)).tolist() == np.asarray(jnp.argmax(x, axis=-1)).tolist()
+    assert np.asarray(greedy_tokens(x))[[1, 2, 3, 4, 5, 6]].tolist() == [7, 129, V - 1, 0, 0, V - 1]
 
 
 def _adversarial_walk(grammars, source: str, budget: int, pick) -> tuple[list[int], bool, bool]:
