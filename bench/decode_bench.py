@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from bench import report
@@ -24,6 +26,7 @@ from model.serving import serving_model
 from model.weights import init_model
 
 COMMAND = "python -m bench.decode_bench"
+_argmax = jax.jit(lambda logits_BV: jnp.argmax(logits_BV, axis=-1))
 DEFAULT_CONTEXT = 512
 MODES = ("default", "invariant", "float32", "xla_view", "xla_products")
 
@@ -57,9 +60,18 @@ def measure(args) -> dict:
                              ("xla_view", xla_view), ("xla_products", xla_products)):
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
         out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name] for name in MODES}
+        # The host's share of a step: time until decode() has dispatched (Python before the device runs), and
+        # greedy sampling of the step's logits (sample_batch's two-reduction argmax beside jnp.argmax).
+        logits = jax.block_until_ready(default.decode(rows))
+        out["decode"][str(n)] |= {
+            "dispatch_s": median_seconds(lambda: default.decode(rows), args.repeats, wait=False),
+            "greedy_s": median_seconds(lambda: sample_batch(logits, [greedy] * n).tokens, args.repeats),
+            "argmax_s": median_seconds(lambda: np.asarray(_argmax(logits))[:n], args.repeats)}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
               f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_view'] * 1000:.1f} ms xla view, "
-              f"{step['xla_products'] * 1000:.1f} ms xla products", flush=True)
+              f"{step['xla_products'] * 1000:.1f} ms xla products; dispatch "
+              f"{out['decode'][str(n)]['dispatch_s'] * 1000:.2f} ms, greedy {out['decode'][str(n)]['greedy_s'] * 1000:.2f} "
+              f"ms (jnp.argmax {out['decode'][str(n)]['argmax_s'] * 1000:.2f} ms)", flush=True)
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
     table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
 
@@ -118,6 +130,15 @@ def write(result: dict) -> None:
             f"mode's fixed cuts): {p['invariant']['seconds'] / p['solo']['seconds']:.2f}x; served in float32, "
             f"{p['float32']['seconds']:.2f} s in {p['float32']['segment_tokens']}-token segments "
             f"({p['float32']['seconds'] / p['solo']['seconds']:.2f}x bfloat16's).", "", *scaling]
+    host = [[n, f"{d['dispatch_s'] * 1000:.2f}", f"{d['greedy_s'] * 1000:.2f}", f"{d['argmax_s'] * 1000:.2f}",
+             f"{d['argmax_s'] / d['greedy_s']:.1f}x"]
+            for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0])) if "dispatch_s" in d]
+    if host:
+        body += ["", "The host's share of a default step: time until `decode()` has dispatched the step (Python "
+                 "before the device runs), and greedy sampling of its logits: `sample_batch` (two plain reductions, "
+                 "model/sampling.py `greedy_tokens`) beside `jnp.argmax` on the same logits.", "",
+                 report.markdown_table(["batch", "dispatch ms", "greedy sampling ms", "jnp.argmax ms",
+                                        "argmax / ours"], host)]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
     other = "" if result["context"] == DEFAULT_CONTEXT else f", context {result['context']}"
     report.update_section(f"Decode batching and batch invariance (decode_bench{other})", "\n".join(body))

@@ -28,13 +28,18 @@ from model.config import preset
 from model.experts import all_experts, routed_experts
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, wait: bool = True) -> float:
+    """Median seconds of fn() over `repeats` calls after one warm-up; with wait=False until fn returns (what
+    it dispatched runs on, and is waited for before the next call)."""
     jax.block_until_ready(fn())  # compile + warm up
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
-        jax.block_until_ready(fn())
+        out = fn()
+        if wait:
+            jax.block_until_ready(out)
         times.append(time.perf_counter() - begin)
+        jax.block_until_ready(out)
     return statistics.median(times)
 
 

@@ -70,10 +70,12 @@ def workload(args) -> list[list[tuple[list[int], int]]]:
 
 class EngineProbe:
     """The engines' own accounting of a run, read from their /metrics (with the admin token): seconds the
-    model thread was busy, and of those prefill and decode, and seconds spent compiling new shapes."""
+    model thread was busy, and of those prefill and decode, seconds spent compiling new shapes, and the
+    prefill passes it took."""
 
     SERIES = {"busy_s": "deepinfer_engine_step_seconds_total", "prefill_s": "deepinfer_engine_prefill_seconds_total",
-              "decode_s": "deepinfer_engine_decode_seconds_total", "compile_s": "deepinfer_engine_compile_seconds_total"}
+              "decode_s": "deepinfer_engine_decode_seconds_total", "compile_s": "deepinfer_engine_compile_seconds_total",
+              "prefill_passes": "deepinfer_engine_prefill_passes_total"}
 
     def __init__(self, urls: list[str], admin_token: str):
         self.urls, self.headers = urls, {"Authorization": f"Bearer {admin_token}"}

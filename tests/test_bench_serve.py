@@ -52,6 +52,7 @@ def test_decode_bench_measures_both_modes():
     result = json.loads((report.OUT / "decode_bench.json").read_text())
     assert set(result["decode"]) == {"1", "2"} and all(d["default"] > 0 and d["invariant"] > 0 and d["xla_view"] > 0
                                                        and d["xla_products"] > 0 for d in result["decode"].values())
+    assert all(d["dispatch_s"] > 0 and d["greedy_s"] > 0 and d["argmax_s"] > 0 for d in result["decode"].values())
     assert result["decode_kernel"]  # default decode attention is the CPU kernel here; xla_view its comparison
     assert result["few_row_kernel"]  # and products of 1-4 rows our kernel; xla_products its comparison
     assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
