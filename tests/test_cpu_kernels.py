@@ -25,7 +25,8 @@ def kernel():
 def make(rng, B, N, A, C, T, P, Q, dtype):
     pool = jnp.asarray(rng.standard_normal((P, T, A)), dtype)
     bits = jax.lax.bitcast_convert_type(pool, jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32)
-    q = rng.standard_normal((B, N, A)).astype(np.float32)
+    # queries at the attention dtype's precision, as the runner gives them (the bfloat16 paths round them)
+    q = np.asarray(jnp.asarray(rng.standard_normal((B, N, A)), dtype).astype(jnp.float32))
     fresh = rng.standard_normal((B, A)).astype(np.float32)
     tables = rng.integers(0, P, (B, Q)).astype(np.int32)
     lengths = rng.integers(0, Q * T + 1, B).astype(np.int32)
@@ -43,33 +44,59 @@ def reference(pool, q, tables, lengths, fresh, scale, C):
     return np.stack(out)
 
 
-def call(q, bits, tables, lengths, fresh, scale, C):
-    return np.asarray(jax.jit(cpu_kernels.paged_mla_decode, static_argnums=(5, 6))(
-        q, bits, tables, lengths, fresh, scale, C))
+def call(q, bits, tables, lengths, fresh, scale, C, path="auto"):
+    return np.asarray(jax.jit(cpu_kernels.paged_mla_decode, static_argnums=(5, 6, 7))(
+        q, bits, tables, lengths, fresh, scale, C, path))
 
 
-@pytest.mark.parametrize("B, N, A, C, T, P, Q, dtype", [
+def paths(dtype, A, C, T) -> list[str]:
+    """The decode kernel's paths for these widths on the test machine (which has AVX-512 BF16, and AMX where
+    Linux grants it)."""
+    bf16 = dtype == jnp.bfloat16 and A % 32 == 0 and C % 32 == 0
+    amx = bf16 and T % 32 == 0 and cpu_kernels.prefill_attention_available()  # (available: AMX granted)
+    return ["float32"] + ["avx512-bf16"] * bf16 + ["amx"] * amx
+
+
+CASES = [
     (5, 8, 576, 512, 64, 40, 7, jnp.bfloat16),  # mini's widths
     (3, 4, 48, 32, 64, 10, 3, jnp.float32),  # tiny's, served in float32
     (4, 13, 48, 32, 16, 10, 5, jnp.bfloat16),  # head groups of 8, 4 and 1; short pages
     (2, 1, 32, 16, 8, 4, 3, jnp.float32),
     (3, 8, 576, 512, 64, 100, 100, jnp.bfloat16),  # up to 6,400 rows: pieces of 2,048 folded
-])
-def test_matches_a_float64_reference(B, N, A, C, T, P, Q, dtype):
+    (4, 13, 576, 512, 16, 30, 9, jnp.bfloat16),  # pages of 16 rows (no AMX); 13 heads: groups of 8, 4, 1
+    (3, 20, 576, 512, 32, 30, 6, jnp.bfloat16),  # pages of one 32-row step; 20 heads: two tiles of 16 on AMX
+]
+
+
+@pytest.mark.parametrize("B, N, A, C, T, P, Q, dtype, path", [
+    (*case, path) for case in CASES for path in paths(case[-1], *case[2:5])])
+def test_matches_a_float64_reference(B, N, A, C, T, P, Q, dtype, path):
     pool, bits, q, tables, lengths, fresh = make(np.random.default_rng(B * N), B, N, A, C, T, P, Q, dtype)
-    got = call(q, bits, tables, lengths, fresh, 0.07, C)
+    got = call(q, bits, tables, lengths, fresh, 0.07, C, path)
     want = reference(pool, q, tables, lengths, fresh, 0.07, C)
-    np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
+    # the bfloat16 paths round the softmax weights to bfloat16 before the values product (as XLA's path does)
+    np.testing.assert_allclose(got, want, atol=(2e-6 if path == "float32" else 5e-3) * np.abs(want).max(), rtol=0)
+    if path != "float32":
+        assert np.array_equal(got, call(q, bits, tables, lengths, fresh, 0.07, C)) == (path == paths(dtype, A, C, T)[-1])
 
 
-def test_a_sequence_gets_the_same_bits_whatever_shares_its_batch_and_however_wide_its_table():
+@pytest.mark.parametrize("path", paths(jnp.bfloat16, 576, 512, 64))
+def test_a_sequence_gets_the_same_bits_whatever_shares_its_batch_and_however_wide_its_table(path):
     rng = np.random.default_rng(1)
     pool, bits, q, tables, lengths, fresh = make(rng, 6, 8, 576, 512, 64, 40, 50, jnp.bfloat16)  # 1-2 pieces
-    together = call(q, bits, tables, lengths, fresh, 0.1, 512)
+    together = call(q, bits, tables, lengths, fresh, 0.1, 512, path)
     wide = np.concatenate([tables, rng.integers(0, 40, (6, 9)).astype(np.int32)], axis=1)  # padding entries
     for b in range(6):
-        alone = call(q[b:b + 1], bits, wide[b:b + 1], lengths[b:b + 1], fresh[b:b + 1], 0.1, 512)
+        alone = call(q[b:b + 1], bits, wide[b:b + 1], lengths[b:b + 1], fresh[b:b + 1], 0.1, 512, path)
         assert np.array_equal(alone[0], together[b]), f"sequence {b} differs alone"
+
+
+@pytest.mark.parametrize("dtype, A, T, path", [(jnp.float32, 576, 64, "avx512-bf16"), (jnp.float32, 576, 64, "amx"),
+                                                (jnp.bfloat16, 48, 64, "avx512-bf16"), (jnp.bfloat16, 576, 16, "amx")])
+def test_a_path_the_widths_do_not_allow_is_refused(dtype, A, T, path):
+    pool, bits, q, tables, lengths, fresh = make(np.random.default_rng(3), 2, 8, A, 32, T, 10, 3, dtype)
+    with pytest.raises(Exception, match="the asked-for path is unavailable"):
+        call(q, bits, tables, lengths, fresh, 0.1, 32, path)
 
 
 @pytest.mark.parametrize("page, length, why", [(40, 64, "a page id outside the pool"),

@@ -4,8 +4,16 @@
 // through its block table, plus its own new latent. This is what `_attend_decode` computes after
 // `_view` has gathered a dense (B, S, A) copy of every sequence's pages; on XLA:CPU that gather and the
 // operand packing of the two products took most of a long-context decode step. Here each page is read
-// once, widened to float32 in a small buffer, and used for both products: scores against the whole
-// 576-wide latent ([c_kv | k_pe]) and values from its first C columns (FlashMLA's layout).
+// in place and used for both products: scores against the whole 576-wide latent ([c_kv | k_pe]) and values
+// from its first C columns (FlashMLA's layout). Three paths, by what the CPU has and the widths allow:
+// - AMX (a bfloat16 pool, pages of whole 32-row steps, widths in whole 32s): scores as tile products of the
+//   page's rows as they lie, 16 heads to a tile; the values' rows interleaved in pairs once per page;
+// - AVX-512 BF16 (the same without AMX, or other page sizes): dot products of bfloat16 pairs;
+// - float32 (anything else: a float32 pool, other widths, an older CPU): each page widened to float32 in a
+//   small buffer, FMAs.
+// The bfloat16 paths round the queries to bfloat16 (the runner's already are: its attention dtype is the
+// cache's) and the softmax weights before the values product, as XLA's path over gathered views does (and
+// FlashMLA); sums are float32. What each path costs: BENCHMARKS.md, "Decode attention paths".
 //
 // Inputs:  q_BNA   f32   the absorbed queries [q_nope @ W_UK | q_pe], at the attention dtype's precision
 //          pool    u16 (bfloat16 bits) or u32 (float32 bits), (P, T, A): one layer of the latent pool
@@ -31,6 +39,12 @@
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DEEPINFER_DECODE_BF16 1
+#endif
+#include "amx.h"
 
 namespace ffi = xla::ffi;
 
@@ -78,6 +92,7 @@ struct Problem {
   float* out;
   int64_t B, N, A, C, T, Q, P;
   float scale;
+  int32_t path;  // 0: the best this CPU and these widths allow; 1: float32; 2: AVX-512 BF16; 3: AMX
 };
 
 // Page rows [0, rows) as float32 (A floats each): widened into buf from bfloat16, or the pool itself.
@@ -150,11 +165,10 @@ void values(const float* w, const float* K, int64_t rows, int64_t A, int64_t C, 
   }
 }
 
-// One page's rows for heads [h0, h0 + G): scores, the online-softmax update of (top, total, acc), values.
+// The online-softmax update of (top, total, acc) for G heads from their scores s[h * T + r], r < rows, which
+// become the weights exp(score - top).
 template <int G>
-void page_step(const Problem& p, const float* q, const float* K, int64_t rows, int64_t h0, float* s,
-               float* top, float* total, float* acc) {
-  scores<G>(q + h0 * p.A, K, rows, p.A, p.scale, p.T, s);
+void soften(const Problem& p, int64_t rows, int64_t h0, float* s, float* top, float* total, float* acc) {
   for (int h = 0; h < G; ++h) {
     float* sh = s + h * p.T;
     float m = top[h0 + h];
@@ -176,8 +190,270 @@ void page_step(const Problem& p, const float* q, const float* K, int64_t rows, i
       for (int64_t c = 0; c < p.C; ++c) ah[c] *= keep;
     }
   }
+}
+
+// One page's rows (float32) for heads [h0, h0 + G): scores, the online-softmax update, values.
+template <int G>
+void page_step(const Problem& p, const float* q, const float* K, int64_t rows, int64_t h0, float* s,
+               float* top, float* total, float* acc) {
+  scores<G>(q + h0 * p.A, K, rows, p.A, p.scale, p.T, s);
+  soften<G>(p, rows, h0, s, top, total, acc);
   values<G>(s, K, rows, p.A, p.C, p.T, acc + h0 * p.C);
 }
+
+#ifdef DEEPINFER_DECODE_BF16
+// The AVX-512 BF16 path: a bfloat16 pool's pages are read as they are (no widening) and both products are dot
+// products of bfloat16 pairs into float32: twice the products per instruction of float32 FMAs.
+
+inline uint16_t to_bf16(float x) {  // round to nearest even (finite x)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// The 16 lane sums of v[0..15] in one vector, as a tree of 15 adds: lane 4c + p holds the sum of v[c + 4p].
+inline __m512 sums16(const __m512* v) {
+  __m512 w[8], u[4], t[2];
+  for (int k = 0; k < 8; ++k)  // 128-bit chunks 0-1: v[2k]'s 8 partials; 2-3: v[2k + 1]'s
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // chunk c: v[4j + c]'s 4 partials
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // chunk c, positions 0-1: v[8m + c]; 2-3: v[8m + 4 + c]
+    t[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+}
+
+inline __m512bh bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Scores of G heads (bfloat16 queries q, A apart) against bfloat16 rows [0, rows) of K: s[h * T + r].
+template <int G>
+void scores_bf16(const uint16_t* q, const uint16_t* K, int64_t rows, int64_t A, float scale, int64_t T, float* s) {
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {  // two rows at a time: each query vector loaded once for both
+    __m512 a0[G], a1[G];
+    for (int h = 0; h < G; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
+    const uint16_t* k0 = K + r * A;
+    const uint16_t* k1 = k0 + A;
+    for (int64_t i = 0; i < A; i += 32) {
+      const __m512bh x0 = bh(_mm512_loadu_si512(k0 + i)), x1 = bh(_mm512_loadu_si512(k1 + i));
+      for (int h = 0; h < G; ++h) {
+        const __m512bh qh = bh(_mm512_loadu_si512(q + h * A + i));
+        a0[h] = _mm512_dpbf16_ps(a0[h], qh, x0);
+        a1[h] = _mm512_dpbf16_ps(a1[h], qh, x1);
+      }
+    }
+    if constexpr (G == 8) {  // the 16 sums as one tree (lane by lane they cost as much as the products)
+      __m512 v[16];
+      for (int h = 0; h < 8; ++h) v[2 * h] = a0[h], v[2 * h + 1] = a1[h];
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, _mm512_mul_ps(sums16(v), _mm512_set1_ps(scale)));
+      for (int i = 0; i < 16; ++i) s[(i / 2) * T + r + i % 2] = sums[4 * (i % 4) + i / 4];
+    } else {
+      for (int h = 0; h < G; ++h) {
+        s[h * T + r] = _mm512_reduce_add_ps(a0[h]) * scale;
+        s[h * T + r + 1] = _mm512_reduce_add_ps(a1[h]) * scale;
+      }
+    }
+  }
+  for (; r < rows; ++r) {
+    __m512 a0[G];
+    for (int h = 0; h < G; ++h) a0[h] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < A; i += 32) {
+      const __m512bh x0 = bh(_mm512_loadu_si512(K + r * A + i));
+      for (int h = 0; h < G; ++h) a0[h] = _mm512_dpbf16_ps(a0[h], bh(_mm512_loadu_si512(q + h * A + i)), x0);
+    }
+    for (int h = 0; h < G; ++h) s[h * T + r] = _mm512_reduce_add_ps(a0[h]) * scale;
+  }
+}
+
+// acc[h] (C floats) += sum over rows r of w[h * T + r] * K[r, 0:C] for G heads, rows taken in pairs: the
+// weights as bfloat16 pairs (one 32-bit word per head and pair of rows, `pairs`), the two rows' values
+// interleaved word by word, so one dot product adds both rows (an odd last row pairs with zeros).
+template <int G>
+void values_bf16(const float* w, const uint16_t* K, int64_t rows, int64_t A, int64_t C, int64_t T, uint32_t* pairs,
+                 float* acc) {
+  const int64_t full = rows / 2, count = (rows + 1) / 2;
+  for (int h = 0; h < G; ++h) {
+    uint16_t* words = reinterpret_cast<uint16_t*>(pairs + h * count);
+    for (int64_t r = 0; r < rows; ++r) words[r] = to_bf16(w[h * T + r]);
+    if (rows % 2) words[rows] = 0;
+  }
+  alignas(64) static const uint16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo_idx = _mm512_load_si512(lo_order);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t c = 0; c < C; c += 32) {
+    __m512 lo[G], hi[G];
+    for (int h = 0; h < G; ++h) lo[h] = _mm512_loadu_ps(acc + h * C + c), hi[h] = _mm512_loadu_ps(acc + h * C + c + 16);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512i x0 = _mm512_loadu_si512(K + 2 * j * A + c);
+      const __m512i x1 = j < full ? _mm512_loadu_si512(K + (2 * j + 1) * A + c) : _mm512_setzero_si512();
+      const __m512bh v_lo = bh(_mm512_permutex2var_epi16(x0, lo_idx, x1));  // columns c..c+15, row pairs
+      const __m512bh v_hi = bh(_mm512_permutex2var_epi16(x0, hi_idx, x1));  // columns c+16..c+31
+      for (int h = 0; h < G; ++h) {
+        const __m512bh wh = bh(_mm512_set1_epi32(static_cast<int>(pairs[h * count + j])));
+        lo[h] = _mm512_dpbf16_ps(lo[h], v_lo, wh);
+        hi[h] = _mm512_dpbf16_ps(hi[h], v_hi, wh);
+      }
+    }
+    for (int h = 0; h < G; ++h) _mm512_storeu_ps(acc + h * C + c, lo[h]), _mm512_storeu_ps(acc + h * C + c + 16, hi[h]);
+  }
+}
+
+template <int G>
+void page_step_bf16(const Problem& p, const uint16_t* q, const uint16_t* K, int64_t rows, int64_t h0, float* s,
+                    uint32_t* pairs, float* top, float* total, float* acc) {
+  scores_bf16<G>(q + h0 * p.A, K, rows, p.A, p.scale, p.T, s);
+  soften<G>(p, rows, h0, s, top, total, acc);
+  values_bf16<G>(s, K, rows, p.A, p.C, p.T, pairs, acc + h0 * p.C);
+}
+
+void heads_step_bf16(const Problem& p, const uint16_t* q, const uint16_t* K, int64_t rows, float* s, uint32_t* pairs,
+                     float* top, float* total, float* acc) {
+  int64_t h = 0;
+  for (; h + 8 <= p.N; h += 8) page_step_bf16<8>(p, q, K, rows, h, s, pairs, top, total, acc);
+  if (h + 4 <= p.N) page_step_bf16<4>(p, q, K, rows, h, s, pairs, top, total, acc), h += 4;
+  if (h + 2 <= p.N) page_step_bf16<2>(p, q, K, rows, h, s, pairs, top, total, acc), h += 2;
+  if (h < p.N) page_step_bf16<1>(p, q, K, rows, h, s, pairs, top, total, acc);
+}
+#endif
+
+// Whether pages take the bfloat16 path (a bfloat16 pool, latent and value widths in whole vectors of 32).
+inline bool bf16_path(const Problem& p) {
+#ifdef DEEPINFER_DECODE_BF16
+  return p.bf16 && p.A % 32 == 0 && p.C % 32 == 0 && p.path != 1;
+#else
+  return false;
+#endif
+}
+
+#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+// The AMX path (pages of whole 32-row steps, 16 heads to a tile): scores transposed, S^T = K Q^T, so the page's
+// rows are the A operand as they lie in the pool (16 rows of 32 latent columns per tile load) and only the
+// queries are re-laid, once per piece; the softmax runs lane-wise (a tile row holds one key's 16 heads). Values
+// out = P V: the weights transposed to (heads x keys) bfloat16 tiles, the page's value rows interleaved in pairs
+// (the B operand's layout) once per page; the accumulators (16 heads x C) live in tiles' rows C floats apart.
+constexpr int64_t kHeads = 16;  // heads per tile (a query tile's columns; heads past N are zero)
+
+struct Tiles {  // one thread's buffers for one piece
+  std::vector<uint32_t> q;       // (A / 32, 16 dim pairs, 16 heads): the B operand of the scores, per head group
+  std::vector<float> st;         // (T, 16): one page's scores, rows x heads
+  std::vector<uint16_t> pt;      // (T / 32, 16 heads, 32 rows): the weights, the A operand of the values
+  std::vector<uint16_t> v;       // (C / 16, T / 32, 16 row pairs, 32): the page's values, the B operand
+  std::vector<float> acc;        // (groups, C / 16, 16 heads, 16): each column tile's 1 KB in one piece
+  std::vector<float> top, total;  // (groups x 16)
+  Tiles(const Problem& p, int64_t groups)
+      : q(groups * (p.A / 32) * 256), st(p.T * kHeads), pt(p.T * kHeads), v(p.T * p.C), acc(groups * kHeads * p.C),
+        top(groups * kHeads), total(groups * kHeads) {}
+};
+
+inline bool amx_path(const Problem& p) {
+  return bf16_path(p) && p.T % 32 == 0 && p.path != 2 && deepinfer::amx_granted();
+}
+
+// Scores of head group g (its queries laid in t.q) against rows [0, rows) of page K into t.st, scaled; rows
+// past `rows` are read (they are in the page) and masked later.
+void scores_amx(const Problem& p, const uint16_t* K, int64_t rows, int64_t g, Tiles& t) {
+  const int64_t steps = p.A / 32, row_groups = (rows + 15) / 16;
+  const uint32_t* q = t.q.data() + g * steps * 256;
+  for (int64_t r0 = 0; r0 < row_groups; r0 += 4) {  // tiles 0-3: up to four groups of 16 rows
+    const int64_t n = std::min<int64_t>(4, row_groups - r0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t j = 0; j < steps; ++j) {
+      _tile_loadd(5, q + j * 256, 64);
+      const uint16_t* k = K + (r0 * 16) * p.A + j * 32;
+#define DEEPINFER_SCORE(i) \
+  if (n > i) { _tile_loadd(4, k + i * 16 * p.A, p.A * 2); _tile_dpbf16ps(i, 4, 5); }
+      DEEPINFER_SCORE(0) DEEPINFER_SCORE(1) DEEPINFER_SCORE(2) DEEPINFER_SCORE(3)
+#undef DEEPINFER_SCORE
+    }
+    float* st = t.st.data() + r0 * 16 * kHeads;
+    _tile_stored(0, st, 64);
+    if (n > 1) _tile_stored(1, st + 256, 64);
+    if (n > 2) _tile_stored(2, st + 512, 64);
+    if (n > 3) _tile_stored(3, st + 768, 64);
+  }
+}
+
+// The online-softmax update of group g from t.st (lane-wise over heads); the weights go to t.pt as bfloat16
+// (heads x rows, zero past `rows`, up to the next 32).
+void soften_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  __m512 m = _mm512_loadu_ps(t.top.data() + g * kHeads);
+  const __m512 old = m;
+  for (int64_t r = 0; r < rows; ++r) m = _mm512_max_ps(m, _mm512_mul_ps(_mm512_loadu_ps(t.st.data() + r * 16), scale));
+  const F16 keep = exp_nonpositive((F16)_mm512_sub_ps(old, m));  // 0 for the first page (old = -inf)
+  F16 add{};
+  const int64_t padded = (rows + 31) / 32 * 32;
+  alignas(64) uint16_t e16[16];
+  for (int64_t r = 0; r < padded; ++r) {
+    F16 e{};
+    if (r < rows) e = exp_nonpositive((F16)_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(t.st.data() + r * 16), scale), m));
+    add += e;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(e16), (__m256i)_mm512_cvtneps_pbh((__m512)e));
+    uint16_t* pt = t.pt.data() + (r / 32) * kHeads * 32 + r % 32;  // tile (r / 32), row h, column r % 32
+    for (int h = 0; h < kHeads; ++h) pt[h * 32] = e16[h];
+  }
+  float* total = t.total.data() + g * kHeads;
+  _mm512_storeu_ps(total, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(total), (__m512)keep), (__m512)add));
+  _mm512_storeu_ps(t.top.data() + g * kHeads, m);
+  alignas(64) float kept[16];
+  _mm512_store_ps(kept, (__m512)keep);
+  for (int h = 0; h < kHeads; ++h) {
+    if (kept[h] == 1.f) continue;
+    float* a = t.acc.data() + g * kHeads * p.C + h * 16;
+    const __m512 k = _mm512_set1_ps(kept[h]);
+    for (int64_t c = 0; c < p.C; c += 16) _mm512_storeu_ps(a + c * 16, _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), k));
+  }
+}
+
+// The page's value rows [0, rows) as B tiles: tile (c / 16, r / 32) row e holds columns c .. c + 16 of rows
+// 2e, 2e + 1 interleaved (zeros past `rows`, so a stale row never meets a zero weight as 0 x inf).
+void lay_values(const Problem& p, const uint16_t* K, int64_t rows, Tiles& t) {
+  alignas(64) static const uint16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo_idx = _mm512_load_si512(lo_order);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const int64_t pairs = (rows + 31) / 32 * 16, stride = (p.T / 32) * 512;  // words per column tile
+  for (int64_t c = 0; c < p.C; c += 32) {  // column tiles outer: each written in order (pairs inner wrote 4 KB apart)
+    uint16_t* lo = t.v.data() + (c / 16) * stride;
+    uint16_t* hi = lo + stride;
+    for (int64_t e = 0; e < pairs; ++e) {
+      const int64_t r = 2 * e;
+      const __m512i x0 = r < rows ? _mm512_loadu_si512(K + r * p.A + c) : _mm512_setzero_si512();
+      const __m512i x1 = r + 1 < rows ? _mm512_loadu_si512(K + (r + 1) * p.A + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(lo + e * 32, _mm512_permutex2var_epi16(x0, lo_idx, x1));  // tile e / 16, row e % 16
+      _mm512_storeu_si512(hi + e * 32, _mm512_permutex2var_epi16(x0, hi_idx, x1));
+    }
+  }
+}
+
+// Group g's accumulators += its weights (t.pt) x the page's values (t.v), four column tiles at a time.
+void values_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
+  const int64_t ksteps = (rows + 31) / 32, ctiles = p.C / 16, stride = (p.T / 32) * 512;
+  float* acc = t.acc.data() + g * kHeads * p.C;
+  for (int64_t c0 = 0; c0 < ctiles; c0 += 4) {
+    const int64_t n = std::min<int64_t>(4, ctiles - c0);
+#define DEEPINFER_ACC(i, op) if (n > i) op(i, acc + (c0 + i) * 256, 64);
+    DEEPINFER_ACC(0, _tile_loadd) DEEPINFER_ACC(1, _tile_loadd) DEEPINFER_ACC(2, _tile_loadd) DEEPINFER_ACC(3, _tile_loadd)
+    for (int64_t ks = 0; ks < ksteps; ++ks) {
+      _tile_loadd(4, t.pt.data() + ks * kHeads * 32, 64);
+#define DEEPINFER_VALUE(i) \
+  if (n > i) { _tile_loadd(5, t.v.data() + (c0 + i) * stride + ks * 512, 64); _tile_dpbf16ps(i, 4, 5); }
+      DEEPINFER_VALUE(0) DEEPINFER_VALUE(1) DEEPINFER_VALUE(2) DEEPINFER_VALUE(3)
+#undef DEEPINFER_VALUE
+    }
+    DEEPINFER_ACC(0, _tile_stored) DEEPINFER_ACC(1, _tile_stored) DEEPINFER_ACC(2, _tile_stored) DEEPINFER_ACC(3, _tile_stored)
+#undef DEEPINFER_ACC
+  }
+}
+#endif
 
 void heads_step(const Problem& p, const float* q, const float* K, int64_t rows, float* s, float* top, float* total,
                 float* acc) {
@@ -192,7 +468,14 @@ constexpr int64_t kSplitRows = 2048;  // a long sequence is split into pieces of
 
 struct Scratch {
   std::vector<float> page, s;
-  explicit Scratch(const Problem& p) : page(p.bf16 ? p.T * p.A : 0), s(8 * p.T) {}
+  std::vector<uint16_t> q;  // the bfloat16 path: a sequence's queries rounded to bfloat16
+  std::vector<uint32_t> pairs;  // the bfloat16 path: a page's weights as bfloat16 pairs, 8 heads
+#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+  std::unique_ptr<Tiles> tiles;  // the AMX path's (made on first use)
+#endif
+  explicit Scratch(const Problem& p)
+      : page(p.bf16 && !bf16_path(p) ? p.T * p.A : 0), s(8 * p.T), q(bf16_path(p) ? p.N * p.A : 0),
+        pairs(bf16_path(p) ? 8 * (p.T + 1) / 2 : 0) {}
 };
 
 // One piece's online-softmax state: per head its top score, the sum of exp(score - top), and the
@@ -213,6 +496,51 @@ struct State {
 void piece(const Problem& p, int64_t b, int64_t first, int64_t last, Scratch& w, State state) {
   state.clear(p);
   const float* q = p.q + b * p.N * p.A;
+#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+  if (amx_path(p)) {
+    const int64_t groups = (p.N + kHeads - 1) / kHeads, steps = p.A / 32;
+    if (!w.tiles) w.tiles = std::make_unique<Tiles>(p, groups);
+    Tiles& t = *w.tiles;
+    std::fill(t.q.begin(), t.q.end(), 0u);  // heads past N stay zero
+    for (int64_t n = 0; n < p.N; ++n)  // group n / 16, step j, dim pair k, head n % 16
+      for (int64_t j = 0; j < steps; ++j)
+        for (int64_t k = 0; k < 16; ++k)
+          t.q[((n / kHeads) * steps + j) * 256 + k * 16 + n % kHeads] =
+              to_bf16(q[n * p.A + 32 * j + 2 * k]) | uint32_t{to_bf16(q[n * p.A + 32 * j + 2 * k + 1])} << 16;
+    std::fill(t.acc.begin(), t.acc.end(), 0.f);
+    std::fill(t.top.begin(), t.top.end(), -std::numeric_limits<float>::infinity());
+    std::fill(t.total.begin(), t.total.end(), 0.f);
+    const uint16_t* pool = static_cast<const uint16_t*>(p.pool);
+    for (int64_t start = first; start < last; start += p.T) {
+      const uint16_t* K = pool + p.tables[b * p.Q + start / p.T] * p.T * p.A;
+      const int64_t rows = std::min(p.T, last - start);
+      lay_values(p, K, rows, t);
+      for (int64_t g = 0; g < groups; ++g) {
+        scores_amx(p, K, rows, g, t);
+        soften_amx(p, rows, g, t);
+        values_amx(p, rows, g, t);
+      }
+    }
+    for (int64_t n = 0; n < p.N; ++n) {  // heads past N are dropped
+      state.top[n] = t.top[n], state.total[n] = t.total[n];
+      const float* a = t.acc.data() + (n / kHeads) * kHeads * p.C + (n % kHeads) * 16;
+      for (int64_t c = 0; c < p.C; c += 16) std::copy(a + c * 16, a + c * 16 + 16, state.acc + n * p.C + c);
+    }
+    return;
+  }
+#endif
+#ifdef DEEPINFER_DECODE_BF16
+  if (bf16_path(p)) {
+    for (int64_t i = 0; i < p.N * p.A; ++i) w.q[i] = to_bf16(q[i]);
+    const uint16_t* pool = static_cast<const uint16_t*>(p.pool);
+    for (int64_t start = first; start < last; start += p.T) {
+      const uint16_t* K = pool + p.tables[b * p.Q + start / p.T] * p.T * p.A;
+      heads_step_bf16(p, w.q.data(), K, std::min(p.T, last - start), w.s.data(), w.pairs.data(), state.top,
+                      state.total, state.acc);
+    }
+    return;
+  }
+#endif
   for (int64_t start = first; start < last; start += p.T) {
     const int64_t rows = std::min(p.T, last - start);
     const float* K = page_rows(p, p.tables[b * p.Q + start / p.T], rows, w.page.data());
@@ -252,7 +580,8 @@ void finish(const Problem& p, int64_t b, int64_t first_piece, int64_t pieces, st
 
 ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer pool,
                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lengths,
-                              ffi::Buffer<ffi::F32> fresh, float scale, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::F32> fresh, float scale, int32_t path,
+                              ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), pd = pool.dimensions(), td = tables.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || pd.size() != 3 || td.size() != 2 || od.size() != 3)
     return ffi::Error::InvalidArgument("paged_mla_decode: q (B, N, A), pool (P, T, A), tables (B, Q), out (B, N, C)");
@@ -267,7 +596,15 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
     return ffi::Error::InvalidArgument("paged_mla_decode: mismatched shapes");
   p.q = q.typed_data(), p.pool = pool.untyped_data(), p.bf16 = type == ffi::DataType::U16;
   p.tables = tables.typed_data(), p.lengths = lengths.typed_data(), p.fresh = fresh.typed_data();
-  p.out = out->typed_data(), p.scale = scale;
+  p.out = out->typed_data(), p.scale = scale, p.path = path;
+  if (path < 0 || path > 3) return ffi::Error::InvalidArgument("paged_mla_decode: path is 0 to 3");
+#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+  const bool amx = amx_path(p);
+#else
+  const bool amx = false;
+#endif
+  if ((path == 2 && !bf16_path(p)) || (path == 3 && !amx))
+    return ffi::Error::InvalidArgument("paged_mla_decode: the asked-for path is unavailable for this CPU or these widths");
   for (int64_t b = 0; b < p.B; ++b) {  // the table is trusted only as far as it is checked
     const int64_t length = p.lengths[b];
     if (length < 0 || length > p.Q * p.T)
@@ -291,6 +628,13 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
   for (int64_t b = 0; b < p.B; ++b) left[b].store(first_piece[b + 1] - first_piece[b]);
   deepinfer::parallel_items(pool_threads, items, [&](int64_t first, auto claim) {
     Scratch scratch(p);
+#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+    const bool tiles = amx_path(p);  // tile state is per thread: configured by each that takes part
+    if (tiles) {
+      const deepinfer::TileConfig config;
+      _tile_loadconfig(&config);
+    }
+#endif
     for (int64_t i = first; i >= 0; i = claim()) {
       const int64_t b = std::upper_bound(first_piece.begin(), first_piece.end(), i) - first_piece.begin() - 1;
       const int64_t start = (i - first_piece[b]) * split;
@@ -299,6 +643,9 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
       if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
         finish(p, b, first_piece[b], first_piece[b + 1] - first_piece[b], states, scratch);
     }
+#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+    if (tiles) _tile_release();
+#endif
   });
   return ffi::Error::Success();
 }
@@ -314,4 +661,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedMlaDecode, PagedMlaDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int32_t>("path")
                                   .Ret<ffi::Buffer<ffi::F32>>());
