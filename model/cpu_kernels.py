@@ -123,7 +123,7 @@ def supports(latent_dim: int, value_dim: int) -> bool:
     return latent_dim % LANES == 0 and value_dim % LANES == 0 and value_dim <= latent_dim
 
 
-DECODE_PATHS = {"auto": 0, "float32": 1, "avx512-bf16": 2, "amx": 3}  # kernels/paged_mla_decode.cc's paths
+DECODE_PATHS = {"auto": 0, "float32": 1, "amx": 2}  # kernels/paged_mla_decode.cc's paths
 
 
 def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array, lengths_B: jax.Array,
@@ -131,7 +131,7 @@ def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array
     """Softmax-weighted values (B, N, value_dim) float32 of each query over rows [0, lengths_B[b]) of its pages
     in pool_PBA (raw bits: uint16 for bfloat16, uint32 for float32) and its own latent fresh_BA[b]. `path`: the
     kernel's best for this CPU and these widths ("auto"), or one named (for tests and benchmarks: an error
-    where it is unavailable). The bfloat16 paths round q to bfloat16."""
+    where it is unavailable). The AMX path rounds q to bfloat16."""
     B, N, _ = q_BNA.shape
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N, value_dim), jnp.float32))(
         q_BNA.astype(jnp.float32), pool_PBA, tables_BQ.astype(jnp.int32), lengths_B.astype(jnp.int32),

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from bench import decode_bench, few_rows_bench, prefill_kernel_bench, prefill_passes, report, serve_bench, serve_report
+from bench import (decode_attention_bench, decode_bench, few_rows_bench, prefill_kernel_bench, prefill_passes, report,
+                   serve_bench, serve_report)
 from bench.serve_client import Result, percentiles, summarize
 from model import cpu_kernels
 
@@ -56,6 +57,14 @@ def test_decode_bench_measures_both_modes():
     assert result["decode_kernel"]  # default decode attention is the CPU kernel here; xla_view its comparison
     assert result["few_row_kernel"]  # and products of 1-4 rows our kernel; xla_products its comparison
     assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
+
+
+def test_decode_attention_bench_times_every_path_this_machine_has():
+    assert decode_attention_bench.main(["--quick", "--repeats", "1", "--no-report"]) == 0
+    result = json.loads((report.OUT / "decode_attention_bench.json").read_text())
+    assert result["paths"] == ["float32"] + ["amx"] * cpu_kernels.prefill_attention_available()
+    assert [(c["sequences"], c["context"]) for c in result["cases"]] == list(decode_attention_bench.QUICK)
+    assert all(c["seconds"][p] > 0 for c in result["cases"] for p in result["paths"])
 
 
 def test_few_rows_bench_measures_every_projection_shape_at_each_row_count():

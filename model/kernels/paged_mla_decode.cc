@@ -5,15 +5,15 @@
 // `_view` has gathered a dense (B, S, A) copy of every sequence's pages; on XLA:CPU that gather and the
 // operand packing of the two products took most of a long-context decode step. Here each page is read
 // in place and used for both products: scores against the whole 576-wide latent ([c_kv | k_pe]) and values
-// from its first C columns (FlashMLA's layout). Three paths, by what the CPU has and the widths allow:
+// from its first C columns (FlashMLA's layout). Two paths, by what the CPU has and the widths allow:
 // - AMX (a bfloat16 pool, pages of whole 32-row steps, widths in whole 32s): scores as tile products of the
-//   page's rows as they lie, 16 heads to a tile; the values' rows interleaved in pairs once per page;
-// - AVX-512 BF16 (the same without AMX, or other page sizes): dot products of bfloat16 pairs;
-// - float32 (anything else: a float32 pool, other widths, an older CPU): each page widened to float32 in a
-//   small buffer, FMAs.
-// The bfloat16 paths round the queries to bfloat16 (the runner's already are: its attention dtype is the
-// cache's) and the softmax weights before the values product, as XLA's path over gathered views does (and
-// FlashMLA); sums are float32. What each path costs: BENCHMARKS.md, "Decode attention paths".
+//   page's rows as they lie, 16 heads to a tile; the values' rows interleaved in pairs once per page. It
+//   rounds the queries to bfloat16 (the runner's already are: its attention dtype is the cache's) and the
+//   softmax weights before the values product, as XLA's path over gathered views does (and FlashMLA).
+// - float32 (anything else: a float32 pool, other widths, a CPU without AMX): each page widened to float32
+//   in a small buffer, FMAs.
+// Sums are float32. What each path costs: BENCHMARKS.md, "Decode attention paths" (a path of AVX-512 BF16
+// dot products was measured there too, no faster than float32's, and dropped).
 //
 // Inputs:  q_BNA   f32   the absorbed queries [q_nope @ W_UK | q_pe], at the attention dtype's precision
 //          pool    u16 (bfloat16 bits) or u32 (float32 bits), (P, T, A): one layer of the latent pool
@@ -40,11 +40,10 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define DEEPINFER_DECODE_BF16 1
-#endif
 #include "amx.h"
+#if defined(DEEPINFER_AMX) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DEEPINFER_DECODE_AMX 1  // the AMX path (its softmax and layouts use AVX-512 BF16 and BW too)
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -92,7 +91,7 @@ struct Problem {
   float* out;
   int64_t B, N, A, C, T, Q, P;
   float scale;
-  int32_t path;  // 0: the best this CPU and these widths allow; 1: float32; 2: AVX-512 BF16; 3: AMX
+  int32_t path;  // 0: the best this CPU and these widths allow; 1: float32; 2: AMX
 };
 
 // Page rows [0, rows) as float32 (A floats each): widened into buf from bfloat16, or the pool itself.
@@ -201,136 +200,16 @@ void page_step(const Problem& p, const float* q, const float* K, int64_t rows, i
   values<G>(s, K, rows, p.A, p.C, p.T, acc + h0 * p.C);
 }
 
-#ifdef DEEPINFER_DECODE_BF16
-// The AVX-512 BF16 path: a bfloat16 pool's pages are read as they are (no widening) and both products are dot
-// products of bfloat16 pairs into float32: twice the products per instruction of float32 FMAs.
-
+#ifdef DEEPINFER_DECODE_AMX
 inline uint16_t to_bf16(float x) {  // round to nearest even (finite x)
   uint32_t u;
   std::memcpy(&u, &x, 4);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
-
-// The 16 lane sums of v[0..15] in one vector, as a tree of 15 adds: lane 4c + p holds the sum of v[c + 4p].
-inline __m512 sums16(const __m512* v) {
-  __m512 w[8], u[4], t[2];
-  for (int k = 0; k < 8; ++k)  // 128-bit chunks 0-1: v[2k]'s 8 partials; 2-3: v[2k + 1]'s
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)  // chunk c: v[4j + c]'s 4 partials
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
-  for (int m = 0; m < 2; ++m)  // chunk c, positions 0-1: v[8m + c]; 2-3: v[8m + 4 + c]
-    t[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44),
-                         _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
-}
-
-inline __m512bh bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-// Scores of G heads (bfloat16 queries q, A apart) against bfloat16 rows [0, rows) of K: s[h * T + r].
-template <int G>
-void scores_bf16(const uint16_t* q, const uint16_t* K, int64_t rows, int64_t A, float scale, int64_t T, float* s) {
-  int64_t r = 0;
-  for (; r + 2 <= rows; r += 2) {  // two rows at a time: each query vector loaded once for both
-    __m512 a0[G], a1[G];
-    for (int h = 0; h < G; ++h) a0[h] = a1[h] = _mm512_setzero_ps();
-    const uint16_t* k0 = K + r * A;
-    const uint16_t* k1 = k0 + A;
-    for (int64_t i = 0; i < A; i += 32) {
-      const __m512bh x0 = bh(_mm512_loadu_si512(k0 + i)), x1 = bh(_mm512_loadu_si512(k1 + i));
-      for (int h = 0; h < G; ++h) {
-        const __m512bh qh = bh(_mm512_loadu_si512(q + h * A + i));
-        a0[h] = _mm512_dpbf16_ps(a0[h], qh, x0);
-        a1[h] = _mm512_dpbf16_ps(a1[h], qh, x1);
-      }
-    }
-    if constexpr (G == 8) {  // the 16 sums as one tree (lane by lane they cost as much as the products)
-      __m512 v[16];
-      for (int h = 0; h < 8; ++h) v[2 * h] = a0[h], v[2 * h + 1] = a1[h];
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, _mm512_mul_ps(sums16(v), _mm512_set1_ps(scale)));
-      for (int i = 0; i < 16; ++i) s[(i / 2) * T + r + i % 2] = sums[4 * (i % 4) + i / 4];
-    } else {
-      for (int h = 0; h < G; ++h) {
-        s[h * T + r] = _mm512_reduce_add_ps(a0[h]) * scale;
-        s[h * T + r + 1] = _mm512_reduce_add_ps(a1[h]) * scale;
-      }
-    }
-  }
-  for (; r < rows; ++r) {
-    __m512 a0[G];
-    for (int h = 0; h < G; ++h) a0[h] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < A; i += 32) {
-      const __m512bh x0 = bh(_mm512_loadu_si512(K + r * A + i));
-      for (int h = 0; h < G; ++h) a0[h] = _mm512_dpbf16_ps(a0[h], bh(_mm512_loadu_si512(q + h * A + i)), x0);
-    }
-    for (int h = 0; h < G; ++h) s[h * T + r] = _mm512_reduce_add_ps(a0[h]) * scale;
-  }
-}
-
-// acc[h] (C floats) += sum over rows r of w[h * T + r] * K[r, 0:C] for G heads, rows taken in pairs: the
-// weights as bfloat16 pairs (one 32-bit word per head and pair of rows, `pairs`), the two rows' values
-// interleaved word by word, so one dot product adds both rows (an odd last row pairs with zeros).
-template <int G>
-void values_bf16(const float* w, const uint16_t* K, int64_t rows, int64_t A, int64_t C, int64_t T, uint32_t* pairs,
-                 float* acc) {
-  const int64_t full = rows / 2, count = (rows + 1) / 2;
-  for (int h = 0; h < G; ++h) {
-    uint16_t* words = reinterpret_cast<uint16_t*>(pairs + h * count);
-    for (int64_t r = 0; r < rows; ++r) words[r] = to_bf16(w[h * T + r]);
-    if (rows % 2) words[rows] = 0;
-  }
-  alignas(64) static const uint16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo_idx = _mm512_load_si512(lo_order);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t c = 0; c < C; c += 32) {
-    __m512 lo[G], hi[G];
-    for (int h = 0; h < G; ++h) lo[h] = _mm512_loadu_ps(acc + h * C + c), hi[h] = _mm512_loadu_ps(acc + h * C + c + 16);
-    for (int64_t j = 0; j < count; ++j) {
-      const __m512i x0 = _mm512_loadu_si512(K + 2 * j * A + c);
-      const __m512i x1 = j < full ? _mm512_loadu_si512(K + (2 * j + 1) * A + c) : _mm512_setzero_si512();
-      const __m512bh v_lo = bh(_mm512_permutex2var_epi16(x0, lo_idx, x1));  // columns c..c+15, row pairs
-      const __m512bh v_hi = bh(_mm512_permutex2var_epi16(x0, hi_idx, x1));  // columns c+16..c+31
-      for (int h = 0; h < G; ++h) {
-        const __m512bh wh = bh(_mm512_set1_epi32(static_cast<int>(pairs[h * count + j])));
-        lo[h] = _mm512_dpbf16_ps(lo[h], v_lo, wh);
-        hi[h] = _mm512_dpbf16_ps(hi[h], v_hi, wh);
-      }
-    }
-    for (int h = 0; h < G; ++h) _mm512_storeu_ps(acc + h * C + c, lo[h]), _mm512_storeu_ps(acc + h * C + c + 16, hi[h]);
-  }
-}
-
-template <int G>
-void page_step_bf16(const Problem& p, const uint16_t* q, const uint16_t* K, int64_t rows, int64_t h0, float* s,
-                    uint32_t* pairs, float* top, float* total, float* acc) {
-  scores_bf16<G>(q + h0 * p.A, K, rows, p.A, p.scale, p.T, s);
-  soften<G>(p, rows, h0, s, top, total, acc);
-  values_bf16<G>(s, K, rows, p.A, p.C, p.T, pairs, acc + h0 * p.C);
-}
-
-void heads_step_bf16(const Problem& p, const uint16_t* q, const uint16_t* K, int64_t rows, float* s, uint32_t* pairs,
-                     float* top, float* total, float* acc) {
-  int64_t h = 0;
-  for (; h + 8 <= p.N; h += 8) page_step_bf16<8>(p, q, K, rows, h, s, pairs, top, total, acc);
-  if (h + 4 <= p.N) page_step_bf16<4>(p, q, K, rows, h, s, pairs, top, total, acc), h += 4;
-  if (h + 2 <= p.N) page_step_bf16<2>(p, q, K, rows, h, s, pairs, top, total, acc), h += 2;
-  if (h < p.N) page_step_bf16<1>(p, q, K, rows, h, s, pairs, top, total, acc);
-}
 #endif
 
-// Whether pages take the bfloat16 path (a bfloat16 pool, latent and value widths in whole vectors of 32).
-inline bool bf16_path(const Problem& p) {
-#ifdef DEEPINFER_DECODE_BF16
-  return p.bf16 && p.A % 32 == 0 && p.C % 32 == 0 && p.path != 1;
-#else
-  return false;
-#endif
-}
 
-#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+#ifdef DEEPINFER_DECODE_AMX
 // The AMX path (pages of whole 32-row steps, 16 heads to a tile): scores transposed, S^T = K Q^T, so the page's
 // rows are the A operand as they lie in the pool (16 rows of 32 latent columns per tile load) and only the
 // queries are re-laid, once per piece; the softmax runs lane-wise (a tile row holds one key's 16 heads). Values
@@ -350,8 +229,9 @@ struct Tiles {  // one thread's buffers for one piece
         top(groups * kHeads), total(groups * kHeads) {}
 };
 
+// Whether pages take the AMX path: a bfloat16 pool, pages of whole 32-row steps, widths in whole 32s, AMX granted.
 inline bool amx_path(const Problem& p) {
-  return bf16_path(p) && p.T % 32 == 0 && p.path != 2 && deepinfer::amx_granted();
+  return p.bf16 && p.A % 32 == 0 && p.C % 32 == 0 && p.T % 32 == 0 && p.path != 1 && deepinfer::amx_granted();
 }
 
 // Scores of head group g (its queries laid in t.q) against rows [0, rows) of page K into t.st, scaled; rows
@@ -468,14 +348,10 @@ constexpr int64_t kSplitRows = 2048;  // a long sequence is split into pieces of
 
 struct Scratch {
   std::vector<float> page, s;
-  std::vector<uint16_t> q;  // the bfloat16 path: a sequence's queries rounded to bfloat16
-  std::vector<uint32_t> pairs;  // the bfloat16 path: a page's weights as bfloat16 pairs, 8 heads
-#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+#ifdef DEEPINFER_DECODE_AMX
   std::unique_ptr<Tiles> tiles;  // the AMX path's (made on first use)
 #endif
-  explicit Scratch(const Problem& p)
-      : page(p.bf16 && !bf16_path(p) ? p.T * p.A : 0), s(8 * p.T), q(bf16_path(p) ? p.N * p.A : 0),
-        pairs(bf16_path(p) ? 8 * (p.T + 1) / 2 : 0) {}
+  explicit Scratch(const Problem& p) : page(p.bf16 ? p.T * p.A : 0), s(8 * p.T) {}
 };
 
 // One piece's online-softmax state: per head its top score, the sum of exp(score - top), and the
@@ -496,7 +372,7 @@ struct State {
 void piece(const Problem& p, int64_t b, int64_t first, int64_t last, Scratch& w, State state) {
   state.clear(p);
   const float* q = p.q + b * p.N * p.A;
-#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+#ifdef DEEPINFER_DECODE_AMX
   if (amx_path(p)) {
     const int64_t groups = (p.N + kHeads - 1) / kHeads, steps = p.A / 32;
     if (!w.tiles) w.tiles = std::make_unique<Tiles>(p, groups);
@@ -525,18 +401,6 @@ void piece(const Problem& p, int64_t b, int64_t first, int64_t last, Scratch& w,
       state.top[n] = t.top[n], state.total[n] = t.total[n];
       const float* a = t.acc.data() + (n / kHeads) * kHeads * p.C + (n % kHeads) * 16;
       for (int64_t c = 0; c < p.C; c += 16) std::copy(a + c * 16, a + c * 16 + 16, state.acc + n * p.C + c);
-    }
-    return;
-  }
-#endif
-#ifdef DEEPINFER_DECODE_BF16
-  if (bf16_path(p)) {
-    for (int64_t i = 0; i < p.N * p.A; ++i) w.q[i] = to_bf16(q[i]);
-    const uint16_t* pool = static_cast<const uint16_t*>(p.pool);
-    for (int64_t start = first; start < last; start += p.T) {
-      const uint16_t* K = pool + p.tables[b * p.Q + start / p.T] * p.T * p.A;
-      heads_step_bf16(p, w.q.data(), K, std::min(p.T, last - start), w.s.data(), w.pairs.data(), state.top,
-                      state.total, state.acc);
     }
     return;
   }
@@ -597,13 +461,13 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
   p.q = q.typed_data(), p.pool = pool.untyped_data(), p.bf16 = type == ffi::DataType::U16;
   p.tables = tables.typed_data(), p.lengths = lengths.typed_data(), p.fresh = fresh.typed_data();
   p.out = out->typed_data(), p.scale = scale, p.path = path;
-  if (path < 0 || path > 3) return ffi::Error::InvalidArgument("paged_mla_decode: path is 0 to 3");
-#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+  if (path < 0 || path > 2) return ffi::Error::InvalidArgument("paged_mla_decode: path is 0 to 2");
+#ifdef DEEPINFER_DECODE_AMX
   const bool amx = amx_path(p);
 #else
   const bool amx = false;
 #endif
-  if ((path == 2 && !bf16_path(p)) || (path == 3 && !amx))
+  if (path == 2 && !amx)
     return ffi::Error::InvalidArgument("paged_mla_decode: the asked-for path is unavailable for this CPU or these widths");
   for (int64_t b = 0; b < p.B; ++b) {  // the table is trusted only as far as it is checked
     const int64_t length = p.lengths[b];
@@ -628,7 +492,7 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
   for (int64_t b = 0; b < p.B; ++b) left[b].store(first_piece[b + 1] - first_piece[b]);
   deepinfer::parallel_items(pool_threads, items, [&](int64_t first, auto claim) {
     Scratch scratch(p);
-#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+#ifdef DEEPINFER_DECODE_AMX
     const bool tiles = amx_path(p);  // tile state is per thread: configured by each that takes part
     if (tiles) {
       const deepinfer::TileConfig config;
@@ -643,7 +507,7 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
       if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
         finish(p, b, first_piece[b], first_piece[b + 1] - first_piece[b], states, scratch);
     }
-#if defined(DEEPINFER_DECODE_BF16) && defined(DEEPINFER_AMX)
+#ifdef DEEPINFER_DECODE_AMX
     if (tiles) _tile_release();
 #endif
   });
