@@ -1,6 +1,6 @@
 """decode_attention_bench: the decode attention kernel's paths (model/kernels/paged_mla_decode.cc) side by side,
-one layer of mini's widths, in-process: float32 (each page widened, FMAs) and AMX (tile products), over
-sequences whose pages are spread through a pool larger than the caches, as in the engine.
+one layer of a preset's widths (mini's by default), in-process: float32 (each page widened, FMAs) and AMX
+(tile products), over sequences whose pages are spread through the pool, as in the engine.
 
     python -m bench.decode_attention_bench [--repeats 30] [--quick]
 
@@ -31,7 +31,7 @@ def available_paths(cfg) -> list[str]:
     """The kernel's paths for these widths on this machine (AMX where Linux granted it)."""
     if cfg.latent_dim % 32 or cfg.kv_lora_rank % 32:
         return ["float32"]
-    return ["float32"] + ["amx"] * cpu_kernels.prefill_attention_available()
+    return ["float32"] + ["amx"] * cpu_kernels.decode_amx_available()
 
 
 def measure_case(cfg, B: int, context: int, paths: list[str], repeats: int) -> dict:
@@ -61,7 +61,8 @@ def measure_case(cfg, B: int, context: int, paths: list[str], repeats: int) -> d
 def measure(args) -> dict:
     cfg = preset(args.preset)
     paths = available_paths(cfg)
-    return {"preset": args.preset, "paths": paths, "machine": report.machine(), "repeats": args.repeats,
+    return {"preset": args.preset, "heads": cfg.num_heads, "latent_dim": cfg.latent_dim, "value_dim": cfg.kv_lora_rank,
+            "paths": paths, "machine": report.machine(), "repeats": args.repeats,
             "load_average_start": os.getloadavg()[0],
             "cases": [measure_case(cfg, B, S, paths, args.repeats) for B, S in (QUICK if args.quick else CASES)],
             "load_average_end": os.getloadavg()[0]}
@@ -75,8 +76,9 @@ def write(result: dict) -> None:
             for c in result["cases"]]
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
-            f"One layer of `{result['preset']}`'s decode attention (8 heads over 576-wide latents, values 512 wide) "
-            "for every sequence of the batch, pages of 64 tokens spread through a pool larger than the caches; "
+            f"One layer of `{result['preset']}`'s decode attention ({result['heads']} heads over "
+            f"{result['latent_dim']}-wide latents, values {result['value_dim']} wide) for every sequence of the batch, "
+            "each on its own pages of 64 tokens, spread through the pool; "
             f"median of {result['repeats']} calls, the paths alternating. float32: each page widened, FMAs (the "
             "kernel before the AMX path, and its path on CPUs without AMX); amx: tile products (the engine's path "
             "on this machine).", "",

@@ -28,7 +28,7 @@ from model.weights import init_model
 COMMAND = "python -m bench.decode_bench"
 _argmax = jax.jit(lambda logits_BV: jnp.argmax(logits_BV, axis=-1))
 DEFAULT_CONTEXT = 512
-MODES = ("default", "invariant", "float32", "xla_view", "xla_products")
+MODES = ("default", "invariant", "float32", "xla_view", "xla_products", "float32_attention")
 
 
 def measure(args) -> dict:
@@ -45,6 +45,8 @@ def measure(args) -> dict:
     xla_view = PagedRunner(model, cfg, pool, decode_kernel=False)  # decode attention over gathered views
     # products of 1-4 rows by XLA, not the few-row kernel
     xla_products = PagedRunner(serving_model(checkpoint, "bfloat16", few_row_kernel=False), cfg, pool)
+    # decode attention on the kernel's float32 path (its path before the AMX one, and on CPUs without AMX)
+    float32_attention = PagedRunner(model, cfg, pool, decode_kernel_path="float32")
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens
@@ -57,7 +59,8 @@ def measure(args) -> dict:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
         for name, runner in (("default", default), ("invariant", invariant), ("float32", float32),
-                             ("xla_view", xla_view), ("xla_products", xla_products)):
+                             ("xla_view", xla_view), ("xla_products", xla_products),
+                             ("float32_attention", float32_attention)):
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
         out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name] for name in MODES}
         # The host's share of a step: time until decode() has dispatched (Python before the device runs), and
@@ -69,7 +72,8 @@ def measure(args) -> dict:
             "argmax_s": median_seconds(lambda: np.asarray(_argmax(logits))[:n], args.repeats)}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
               f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_view'] * 1000:.1f} ms xla view, "
-              f"{step['xla_products'] * 1000:.1f} ms xla products; dispatch "
+              f"{step['xla_products'] * 1000:.1f} ms xla products, {step['float32_attention'] * 1000:.1f} ms float32 "
+              f"attention; dispatch "
               f"{out['decode'][str(n)]['dispatch_s'] * 1000:.2f} ms, greedy {out['decode'][str(n)]['greedy_s'] * 1000:.2f} "
               f"ms (jnp.argmax {out['decode'][str(n)]['argmax_s'] * 1000:.2f} ms)", flush=True)
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
@@ -98,7 +102,8 @@ def write(result: dict) -> None:
              f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x",
              f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x",
              f"{d['xla_view'] * 1000:.1f}", f"{d['xla_view'] / d['default']:.2f}x",
-             f"{d['xla_products'] * 1000:.1f}", f"{d['xla_products'] / d['default']:.2f}x"]
+             f"{d['xla_products'] * 1000:.1f}", f"{d['xla_products'] / d['default']:.2f}x",
+             f"{d['float32_attention'] * 1000:.1f}", f"{d['float32_attention'] / d['default']:.2f}x"]
             for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
     p = result["prefill"]
     one = result["decode"].get("1")
@@ -112,8 +117,10 @@ def write(result: dict) -> None:
             "serving (model/serving.py: projections stored (out, in) in bfloat16, float32 accumulation; decode "
             "attention on bf16 latents); float32: the same weights served in float32 (`--dtype float32`). "
             f"Invariant mode pads each decode batch to {result['max_batch']} rows. Decode attention: "
-            + ("the CPU kernel over the pages in place (model/cpu_kernels.py); xla view: the same model with "
-               "attention by XLA's products over gathered dense views (as on a GPU/TPU, or without a compiler)."
+            + ("the CPU kernel over the pages in place (model/cpu_kernels.py; its best path here, AMX tile products "
+               "where the CPU has AMX); float32 attention: the same model with the kernel's float32 path; xla view: "
+               "the same model with attention by XLA's products over gathered dense views (as on a GPU/TPU, or "
+               "without a compiler)."
                if result.get("decode_kernel") else "XLA's products over gathered views (the CPU kernel was "
                "unavailable), in every column.")
             + (" Products of 1-4 rows (decode batches of 1-4): our few-row kernel (model/cpu_kernels.py); xla "
@@ -123,7 +130,8 @@ def write(result: dict) -> None:
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
                                    "invariant tok/s", "invariant / default", "float32 step ms",
                                    "float32 / bfloat16", "xla view step ms", "xla view / default",
-                                   "xla products step ms", "xla products / default"], rows), "",
+                                   "xla products step ms", "xla products / default",
+                                   "float32 attention step ms", "float32 attention / default"], rows), "",
             f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
             f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
             f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
@@ -136,7 +144,7 @@ def write(result: dict) -> None:
     if host:
         body += ["", "The host's share of a default step: time until `decode()` has dispatched the step (Python "
                  "before the device runs), and greedy sampling of its logits: `sample_batch` (two plain reductions, "
-                 "model/sampling.py `greedy_tokens`) beside `jnp.argmax` on the same logits.", "",
+                 "model/sampling.py `argmax_tokens`) beside `jnp.argmax` on the same logits.", "",
                  report.markdown_table(["batch", "dispatch ms", "greedy sampling ms", "jnp.argmax ms",
                                         "argmax / ours"], host)]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
@@ -150,7 +158,7 @@ def plot(result: dict) -> str:
     import matplotlib.pyplot as plt
     ns = sorted(int(n) for n in result["decode"])
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in zip(MODES, ("o-", "s--", "^:", "x-.", "d--")):
+    for mode, style in zip(MODES, ("o-", "s--", "^:", "x-.", "d--", "v:")):
         ax.plot(ns, [result["decode"][str(n)][f"tokens_per_s_{mode}"] for n in ns], style, label=mode)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences in the decode batch")

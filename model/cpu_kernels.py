@@ -102,6 +102,7 @@ def _load() -> tuple[bool, str]:
         _state["few_rows"] = int(library.FewRowProductMaxRows())  # 32 where AMX is granted, else 4
         jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.MlaPrefillAttention), platform="cpu")
         _state["prefill"] = bool(library.MlaPrefillAttentionAvailable())  # AMX only
+        _state["decode_amx"] = bool(library.PagedMlaDecodeAmxAvailable())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return False, f"build failed: {e}"
     return True, ""
@@ -154,6 +155,12 @@ def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
     (M, _), (O, _) = x_MI.shape, w_OI.shape
     return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
                             vmap_method="sequential")(x_MI.astype(jnp.float32), w_OI)
+
+
+def decode_amx_available() -> bool:
+    """Whether paged_mla_decode has its AMX path here (our kernels built with it, and AMX granted); it takes it
+    for bfloat16 pools whose widths are multiples of 32 and pages of whole 32-row steps."""
+    return available("cpu")[0] and bool(_state.get("decode_amx", False))
 
 
 def prefill_attention_available() -> bool:

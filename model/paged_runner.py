@@ -7,8 +7,8 @@ the scratch page: padded tokens write there and padded table entries point at it
 
 Two kinds of work share a model step (the scheduler decides which):
 - decode: one token of each of B sequences, the whole model in one dispatch; attention reads each
-  sequence's pages through its block table (a gather into a dense (B, S, A) view on the CPU; a ragged
-  paged MLA kernel on GPU/TPU can replace `_decode_batch` behind the same arguments);
+  sequence's pages through its block table (in place on the CPU, our kernel (cpu_kernels); elsewhere a gather
+  into a dense (B, S, A) view, where a ragged paged MLA kernel for GPU/TPU can take the same arguments);
 - prefill segment: tokens [start, start + n) of one sequence, layer-major over sub-chunks, attending
   over the sequence's pages gathered once per layer (the latents are written to the pool first and
   read back, so a prefix loaded from disk, kept in memory or computed a step earlier look the same).
@@ -169,11 +169,11 @@ def _attend_view(attn, q_BNA, positions_B, kv_BSA, latents_BA, dtype) -> jax.Arr
     return out_BNA[..., :C]
 
 
-def _attend_pages(attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, dtype) -> jax.Array:
+def _attend_pages(attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, dtype, path: str) -> jax.Array:
     """`_attend_view`'s result computed by the CPU kernel from the pages in place (cpu_kernels): no view is
-    gathered, each page is read once for both products, and the weights stay float32."""
+    gathered, each page is read once for both products. `path`: the kernel's ("auto": its best here)."""
     return cpu_kernels.paged_mla_decode(q_BNA, pool_PBA, tables_BQ, positions_B, latents_BA.astype(dtype),
-                                        attn.scale, attn.kv_lora_rank)
+                                        attn.scale, attn.kv_lora_rank, path)
 
 
 def _attend_out(attn, absorb: "Absorb", out_BNC) -> jax.Array:
@@ -207,8 +207,8 @@ def _decode_step(layer_defs: tuple, head_def, weights_def):
 def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_state, pools, tokens_B, positions_B,
                   tables_BQ, attention_dtype, kernel):
     """One decode token for each of B sequences through every layer: (logits (B, V) float32, the tokens'
-    latents (L, B, A)). Attention reads the pages in place with the CPU kernel when `kernel`, else from a
-    gathered view. The pools are only read here; `_write_latents` stores the new latents after: a
+    latents (L, B, A)). Attention reads the pages in place with the CPU kernel's path `kernel` ("auto", ...), or
+    with None from a gathered view. The pools are only read here; `_write_latents` stores the new latents after: a
     scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool."""
     x_BD = jnp.take(embed_VD, tokens_B, axis=0)
     B, Q = tables_BQ.shape
@@ -219,8 +219,9 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_st
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
         latents_BA = layer.attn.latents(h_BD, positions_B)
         q_BNA = _decode_queries(absorb, q_nope_NBH, q_pe_NBR, attention_dtype)
-        if kernel:
-            out_BNC = _attend_pages(layer.attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, attention_dtype)
+        if kernel is not None:
+            out_BNC = _attend_pages(layer.attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, attention_dtype,
+                                    kernel)
         else:
             kv_BSA = _view(pool_PBA, tables_BQ, layer.attn.cache_dtype).reshape(B, Q * pool_PBA.shape[1], -1)
             # The view as its own copy: fused into the two attention products, the gather ran inside each.
@@ -303,7 +304,7 @@ class PagedRunner:
 
     def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, chunk_tokens: int = 512,
                  attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0,
-                 decode_kernel: bool | None = None):
+                 decode_kernel: bool | None = None, decode_kernel_path: str | None = None):
         # The dense runner's weights split per layer and its chunking rule are reused as they are.
         self.dense = ModelRunner(model, cfg, chunk_tokens, attention, attention_budget_bytes)
         self.cfg, self.pool = cfg, pool
@@ -320,6 +321,10 @@ class PagedRunner:
         self.decode_kernel = ok if decode_kernel is None else decode_kernel
         if self.decode_kernel and not ok:
             raise ValueError(f"the CPU decode kernel was asked for but is unavailable: {why or 'unsupported dims'}")
+        # The kernel's path: its best here ("auto": AMX rounds queries and weights to bfloat16, as XLA's view path
+        # does at a bfloat16 attention dtype), or float32's for a model served in float32; benches name one.
+        self.decode_kernel_path = decode_kernel_path or ("auto" if self.decode_attention_dtype == "bfloat16"
+                                                         else "float32")
         self._kernel_view = min(pool.num_pages - 1, -(-cfg.max_position_embeddings // self.page)) * self.page
         self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
         self._layer_states = [state for _, state in self.dense.layers]
@@ -382,7 +387,8 @@ class PagedRunner:
             slots[i] = self._slots(np.asarray([r.position]), r.pages, r.position + 1)[0]
             tables[i] = self._table(r.pages, view)
         logits, latents = self._decode_step(self._decode_weights, self.pool.layers, tokens, positions, tables,
-                                            self.decode_attention_dtype, self.decode_kernel)
+                                            self.decode_attention_dtype,
+                                            self.decode_kernel_path if self.decode_kernel else None)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits
 

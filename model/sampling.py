@@ -119,10 +119,10 @@ def request_seed(params: SamplingParams) -> int:
     return params.seed % (1 << 64) if params.seed is not None else int.from_bytes(os.urandom(8), "little")
 
 
-ARGMAX_CHUNK = 128  # vocabulary entries per chunk of greedy_tokens' first pass
+ARGMAX_CHUNK = 128  # vocabulary entries per chunk of argmax_tokens' first pass
 
 
-def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
+def argmax_tokens(logits_BV: jax.Array) -> jax.Array:
     """jnp.argmax over the vocabulary (the first index of each row's maximum), as two plain reductions: the
     maximum of every chunk of ARGMAX_CHUNK entries, then the first chunk holding the row's maximum and the first
     entry in it. XLA:CPU computes argmax as one variadic reduction that it does not vectorize: for 16 rows of
@@ -156,12 +156,12 @@ def _sample_keyed(logits_V, seed_2, step, temperature, top_p, top_k, cut: bool):
 def _sample_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, cut: bool):
     sample = functools.partial(_sample_keyed, cut=cut)
     sampled_B = jax.vmap(sample)(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
-    return jnp.where(temperature_B > 0, sampled_B, greedy_tokens(logits_BV))
+    return jnp.where(temperature_B > 0, sampled_B, argmax_tokens(logits_BV))
 
 
 @jax.jit
 def _greedy_rows(logits_BV):
-    return greedy_tokens(logits_BV)
+    return argmax_tokens(logits_BV)
 
 
 @functools.partial(jax.jit, static_argnames=("top_n", "draw", "cut", "penalize", "bias", "mask"))
@@ -184,7 +184,7 @@ def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, to
         bits_BW32 = (allowed_BW[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)[None, None, :]) & 1  # uint32: logical
         bits_BV = bits_BW32.reshape(B, -1)[:, :V]
         shaped_BV = jnp.where(bits_BV > 0, shaped_BV, -jnp.inf)
-    sampled_B = greedy_tokens(shaped_BV)
+    sampled_B = argmax_tokens(shaped_BV)
     if draw:  # some row samples at a temperature
         sample = functools.partial(_sample_keyed, cut=cut)
         drawn_B = jax.vmap(sample)(shaped_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
@@ -207,7 +207,7 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
     The one sampler interface of the engine. Rows are padded to a power of two (and penalty counts and
     bias lists to powers of two) so batch sizes share compiled shapes; logits may come with more rows
     than `rows` (a padded decode batch's). A batch in which no row uses penalties, bias, a grammar mask or
-    logprobs takes the plain paths (greedy: one argmax)."""
+    logprobs takes the plain paths (greedy: `argmax_tokens`)."""
     n = len(rows)
     padded = _pow2(n)
     if logits_BV.shape[0] < padded:

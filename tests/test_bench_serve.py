@@ -52,7 +52,8 @@ def test_decode_bench_measures_both_modes():
                               "--no-report"]) == 0
     result = json.loads((report.OUT / "decode_bench.json").read_text())
     assert set(result["decode"]) == {"1", "2"} and all(d["default"] > 0 and d["invariant"] > 0 and d["xla_view"] > 0
-                                                       and d["xla_products"] > 0 for d in result["decode"].values())
+                                                       and d["xla_products"] > 0 and d["float32_attention"] > 0
+                                                       for d in result["decode"].values())
     assert all(d["dispatch_s"] > 0 and d["greedy_s"] > 0 and d["argmax_s"] > 0 for d in result["decode"].values())
     assert result["decode_kernel"]  # default decode attention is the CPU kernel here; xla_view its comparison
     assert result["few_row_kernel"]  # and products of 1-4 rows our kernel; xla_products its comparison
@@ -62,7 +63,7 @@ def test_decode_bench_measures_both_modes():
 def test_decode_attention_bench_times_every_path_this_machine_has():
     assert decode_attention_bench.main(["--quick", "--repeats", "1", "--no-report"]) == 0
     result = json.loads((report.OUT / "decode_attention_bench.json").read_text())
-    assert result["paths"] == ["float32"] + ["amx"] * cpu_kernels.prefill_attention_available()
+    assert result["paths"] == ["float32"] + ["amx"] * cpu_kernels.decode_amx_available()
     assert [(c["sequences"], c["context"]) for c in result["cases"]] == list(decode_attention_bench.QUICK)
     assert all(c["seconds"][p] > 0 for c in result["cases"] for p in result["paths"])
 

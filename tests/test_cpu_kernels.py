@@ -22,11 +22,11 @@ def kernel():
     assert ok, f"the decode kernel must build on the test machine: {why}"
 
 
-def make(rng, B, N, A, C, T, P, Q, dtype):
+def make(rng, B, N, A, C, T, P, Q, dtype, q_dtype=None):
     pool = jnp.asarray(rng.standard_normal((P, T, A)), dtype)
     bits = jax.lax.bitcast_convert_type(pool, jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32)
-    # queries at the attention dtype's precision, as the runner gives them (the bfloat16 paths round them)
-    q = np.asarray(jnp.asarray(rng.standard_normal((B, N, A)), dtype).astype(jnp.float32))
+    # queries at the attention dtype's precision, as the runner gives them (the cache's unless served in float32)
+    q = np.asarray(jnp.asarray(rng.standard_normal((B, N, A)), q_dtype or dtype).astype(jnp.float32))
     fresh = rng.standard_normal((B, A)).astype(np.float32)
     tables = rng.integers(0, P, (B, Q)).astype(np.int32)
     lengths = rng.integers(0, Q * T + 1, B).astype(np.int32)
@@ -52,7 +52,7 @@ def call(q, bits, tables, lengths, fresh, scale, C, path="auto"):
 def paths(dtype, A, C, T) -> list[str]:
     """The decode kernel's paths for these widths on the test machine (AMX where Linux grants it)."""
     amx = dtype == jnp.bfloat16 and A % 32 == 0 and C % 32 == 0 and T % 32 == 0
-    return ["float32"] + ["amx"] * (amx and cpu_kernels.prefill_attention_available())  # (available: AMX granted)
+    return ["float32"] + ["amx"] * (amx and cpu_kernels.decode_amx_available())
 
 
 CASES = [
@@ -74,8 +74,37 @@ def test_matches_a_float64_reference(B, N, A, C, T, P, Q, dtype, path):
     want = reference(pool, q, tables, lengths, fresh, 0.07, C)
     # the AMX path rounds the softmax weights to bfloat16 before the values product (as XLA's path does)
     np.testing.assert_allclose(got, want, atol=(2e-6 if path == "float32" else 5e-3) * np.abs(want).max(), rtol=0)
-    if path != "float32":
-        assert np.array_equal(got, call(q, bits, tables, lengths, fresh, 0.07, C)) == (path == paths(dtype, A, C, T)[-1])
+    # "auto" is the best path the widths allow here, and no other
+    assert np.array_equal(got, call(q, bits, tables, lengths, fresh, 0.07, C)) == (path == paths(dtype, A, C, T)[-1])
+
+
+def test_the_float32_path_keeps_full_precision_queries_over_a_bfloat16_pool():
+    """Float32 serving over the default bfloat16 cache: the runner names the float32 path, which rounds nothing."""
+    pool, bits, q, tables, lengths, fresh = make(np.random.default_rng(4), 4, 8, 576, 512, 64, 30, 5, jnp.bfloat16,
+                                                 q_dtype=jnp.float32)
+    assert not np.array_equal(q, np.asarray(jnp.asarray(q, jnp.bfloat16), np.float32))
+    want = reference(pool, q, tables, lengths, fresh, 0.07, 512)
+    got = call(q, bits, tables, lengths, fresh, 0.07, 512, "float32")
+    np.testing.assert_allclose(got, want, atol=2e-6 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("path", paths(jnp.bfloat16, 576, 512, 64))
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_stale_rows_past_a_length_never_reach_the_result(path, poison):
+    """Rows of a sequence's last page past its length hold whatever an earlier owner left (here NaN or inf):
+    masked out of the scores and zeroed out of the values, they change nothing."""
+    rng = np.random.default_rng(5)
+    pool, bits, q, tables, lengths, fresh = make(rng, 5, 8, 576, 512, 64, 40, 4, jnp.bfloat16)
+    tables = np.arange(1, 21, dtype=np.int32).reshape(5, 4)  # each sequence its own pages
+    lengths = np.array([0, 1, 63, 100, 255], np.int32)
+    clean = call(q, bits, tables, lengths, fresh, 0.07, 512, path)
+    dirty = np.asarray(bits).copy()
+    stale = np.asarray(jnp.asarray(poison, jnp.bfloat16)[None].view(jnp.uint16))[0]
+    for b, length in enumerate(lengths):
+        page, row = tables[b, length // 64], length % 64
+        dirty[page, row:] = stale
+    got = call(q, jnp.asarray(dirty), tables, lengths, fresh, 0.07, 512, path)
+    assert np.isfinite(got).all() and np.array_equal(got, clean)
 
 
 @pytest.mark.parametrize("path", paths(jnp.bfloat16, 576, 512, 64))
@@ -89,6 +118,7 @@ def test_a_sequence_gets_the_same_bits_whatever_shares_its_batch_and_however_wid
         assert np.array_equal(alone[0], together[b]), f"sequence {b} differs alone"
 
 
+@pytest.mark.skipif(not cpu_kernels.decode_amx_available(), reason="without AMX every width is refused it")
 @pytest.mark.parametrize("dtype, A, T, path", [(jnp.float32, 576, 64, "amx"), (jnp.bfloat16, 48, 64, "amx"),
                                                 (jnp.bfloat16, 576, 16, "amx")])
 def test_a_path_the_widths_do_not_allow_is_refused(dtype, A, T, path):

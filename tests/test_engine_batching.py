@@ -242,6 +242,27 @@ def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pa
         np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype, path, tolerance", [("bfloat16", "auto", 3e-2), ("float32", "float32", 1e-4)])
+def test_decode_attention_takes_the_kernel_path_of_the_serving_dtype_and_matches_the_gathered_view(dtype, path,
+                                                                                                    tolerance):
+    """Pages of 64 tokens at widths in whole 32s: bfloat16 serving takes the kernel's best path (AMX where the CPU
+    has it: queries and weights rounded to bfloat16, as the view path rounds them), float32 serving its float32
+    path, whose logits agree with the gathered view's to float32 rounding."""
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
+    model = serving_model(init_model(cfg), dtype)
+    specs = [(70, 0), (130, 1), (200, 2)]  # (context, sequence)
+    logits = {}
+    for kernel in (True, False):
+        paged = PagedRunner(model, cfg, LatentPool(cfg, 16, 64), decode_kernel=kernel)
+        assert paged.decode_kernel_path == path
+        tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(specs))]
+        for context, i in specs:
+            paged.prefill(prompt(80 + i, context), 0, tables[i], False)
+        logits[kernel] = np.asarray(paged.decode([DecodeRow(5 + i, context, tables[i]) for context, i in specs]))
+    want = logits[False][:len(specs)]
+    np.testing.assert_allclose(logits[True][:len(specs)], want, atol=tolerance * np.abs(want).max())
+
+
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 def test_a_steps_short_segments_share_passes_by_context_and_long_ones_go_alone(tiny, tmp_path, invariant):
     """Engine._prefill_passes: short segments packed in order of where they end, up to MAX_PASS_TILES tiles a

@@ -11,7 +11,7 @@ import pytest
 
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
 from model.runner import ModelRunner
-from model.sampling import SamplingParams, SamplingRow, greedy_tokens, sample_batch
+from model.sampling import SamplingParams, SamplingRow, argmax_tokens, sample_batch
 from model.serving import serving_model
 from services.engine.config import EngineConfig
 from tests.test_engine_batching import Running, engine_config, prompt, tiny  # noqa: F401 - tiny is a fixture
@@ -201,8 +201,8 @@ def test_the_sampler_applies_penalties_and_bias_as_defined_and_reports_raw_logpr
 
 @pytest.mark.parametrize("V", [VOCAB, 1000, 129_281], ids=["vocab", "short", "padded"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_greedy_tokens_are_argmaxs_first_index_of_the_maximum(V, dtype):
-    """greedy_tokens (two plain reductions over chunks) picks what jnp.argmax picks: ties go to the lowest id,
+def test_argmax_tokens_are_argmaxs_first_index_of_the_maximum(V, dtype):
+    """argmax_tokens (two plain reductions over chunks) picks what jnp.argmax picks: ties go to the lowest id,
     across chunks and within one, with -inf rows (a grammar mask) and a vocabulary that is not whole chunks."""
     rng = np.random.default_rng(V)
     logits = rng.normal(size=(9, V)).astype(np.float32)
@@ -214,8 +214,8 @@ def test_greedy_tokens_are_argmaxs_first_index_of_the_maximum(V, dtype):
     logits[5, :] = 3.0  # all equal
     logits[6, V - 1] = 50.0
     x = jnp.asarray(logits, dtype)
-    assert np.asarray(greedy_tokens(x)).tolist() == np.asarray(jnp.argmax(x, axis=-1)).tolist()
-    assert np.asarray(greedy_tokens(x))[[1, 2, 3, 4, 5, 6]].tolist() == [7, 129, V - 1, 0, 0, V - 1]
+    assert np.asarray(argmax_tokens(x)).tolist() == np.asarray(jnp.argmax(x, axis=-1)).tolist()
+    assert np.asarray(argmax_tokens(x))[[1, 2, 3, 4, 5, 6]].tolist() == [7, 129, V - 1, 0, 0, V - 1]
 
 
 def _adversarial_walk(grammars, source: str, budget: int, pick) -> tuple[list[int], bool, bool]:

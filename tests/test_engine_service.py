@@ -279,7 +279,9 @@ async def test_progress_events_keep_a_long_wait_alive_under_a_short_read_timeout
     async with aiohttp.ClientSession(headers=SERVICE) as session:
         patient = EngineClient(url, session, admin_token="", connect_timeout_s=2.0, read_timeout_s=1.0,
                                service_token=SERVICE_TOKEN)
-        blocker = await session.post(url + "/internal/generate", json={"tokens": [5, 6, 7], "max_tokens": 2000})
+        # The blocker could only finish on its own after 16,000 tokens (the pool's size): 2,000 took under 3 s
+        # once decode steps got faster, and the queued request ran before the wait below was over.
+        blocker = await session.post(url + "/internal/generate", json={"tokens": [5, 6, 7], "max_tokens": 16_000})
         try:
             while json.loads(await blocker.content.readline())["type"] != "token":
                 pass  # the slot is taken once the blocker's first token is out

@@ -1,15 +1,16 @@
 // Paged MLA decode attention for the CPU, as an XLA FFI custom call.
 //
 // One query token per sequence attends over its own earlier latents, read in place from the paged pool
-// through its block table, plus its own new latent. This is what `_attend_decode` computes after
+// through its block table, plus its own new latent. This is what `_attend_view` computes after
 // `_view` has gathered a dense (B, S, A) copy of every sequence's pages; on XLA:CPU that gather and the
 // operand packing of the two products took most of a long-context decode step. Here each page is read
 // in place and used for both products: scores against the whole 576-wide latent ([c_kv | k_pe]) and values
 // from its first C columns (FlashMLA's layout). Two paths, by what the CPU has and the widths allow:
 // - AMX (a bfloat16 pool, pages of whole 32-row steps, widths in whole 32s): scores as tile products of the
 //   page's rows as they lie, 16 heads to a tile; the values' rows interleaved in pairs once per page. It
-//   rounds the queries to bfloat16 (the runner's already are: its attention dtype is the cache's) and the
-//   softmax weights before the values product, as XLA's path over gathered views does (and FlashMLA).
+//   rounds the queries to bfloat16 and the softmax weights before the values product, as XLA's path over
+//   gathered views does with a bfloat16 attention dtype (and FlashMLA): the runner names the float32 path
+//   where its attention dtype is float32 (float32 serving).
 // - float32 (anything else: a float32 pool, other widths, a CPU without AMX): each page widened to float32
 //   in a small buffer, FMAs.
 // Sums are float32. What each path costs: BENCHMARKS.md, "Decode attention paths" (a path of AVX-512 BF16
@@ -21,6 +22,7 @@
 //          lengths s32   (B,) rows of earlier positions each query attends over (its position)
 //          fresh   f32   (B, A) each query's own latent, which is not in the pool yet
 // Attrs:   scale   f32   the softmax scale
+//          path    s32   0: the best this CPU and these widths allow; 1: float32; 2: AMX (an error where unavailable)
 // Output:  out     f32   (B, N, C) the softmax-weighted values
 //
 // A sequence's result depends on its own inputs alone, summed in one fixed order (pieces of 2,048 rows,
@@ -57,7 +59,7 @@ inline F16 load(const float* p) { return *reinterpret_cast<const F16*>(p); }
 inline void store(float* p, F16 v) { *reinterpret_cast<F16*>(p) = v; }
 inline F16 splat(float x) { return F16{} + x; }
 // e^x for x <= 0 (a score minus its running maximum), to ~2 ulp: 2^n by the exponent bits times a
-// degree-6 polynomial of 2^f, f in [-0.5, 0.5]. Below -87 it is 0.
+// degree-6 polynomial of 2^f, f in [-0.5, 0.5]. Below -87 it is e^-87 (~1.6e-38), not 0.
 inline F16 exp_nonpositive(F16 x) {
   typedef int32_t I16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
   x = x < -87.f ? splat(-87.f) : x;
@@ -214,10 +216,10 @@ inline uint16_t to_bf16(float x) {  // round to nearest even (finite x)
 // rows are the A operand as they lie in the pool (16 rows of 32 latent columns per tile load) and only the
 // queries are re-laid, once per piece; the softmax runs lane-wise (a tile row holds one key's 16 heads). Values
 // out = P V: the weights transposed to (heads x keys) bfloat16 tiles, the page's value rows interleaved in pairs
-// (the B operand's layout) once per page; the accumulators (16 heads x C) live in tiles' rows C floats apart.
+// (the B operand's layout) once per page; the accumulators lie tile by tile, (C / 16) tiles of 16 heads x 16.
 constexpr int64_t kHeads = 16;  // heads per tile (a query tile's columns; heads past N are zero)
 
-struct Tiles {  // one thread's buffers for one piece
+struct Tiles {  // one thread's buffers, for every piece it takes in one call
   std::vector<uint32_t> q;       // (A / 32, 16 dim pairs, 16 heads): the B operand of the scores, per head group
   std::vector<float> st;         // (T, 16): one page's scores, rows x heads
   std::vector<uint16_t> pt;      // (T / 32, 16 heads, 32 rows): the weights, the A operand of the values
@@ -268,7 +270,8 @@ void soften_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
   __m512 m = _mm512_loadu_ps(t.top.data() + g * kHeads);
   const __m512 old = m;
   for (int64_t r = 0; r < rows; ++r) m = _mm512_max_ps(m, _mm512_mul_ps(_mm512_loadu_ps(t.st.data() + r * 16), scale));
-  const F16 keep = exp_nonpositive((F16)_mm512_sub_ps(old, m));  // 0 for the first page (old = -inf)
+  // ~1e-38 for the first page (old = -inf; exp_nonpositive clamps at -87): acc and total are still 0 then
+  const F16 keep = exp_nonpositive((F16)_mm512_sub_ps(old, m));
   F16 add{};
   const int64_t padded = (rows + 31) / 32 * 32;
   alignas(64) uint16_t e16[16];
@@ -346,12 +349,20 @@ void heads_step(const Problem& p, const float* q, const float* K, int64_t rows, 
 
 constexpr int64_t kSplitRows = 2048;  // a long sequence is split into pieces of this many rows (whole pages)
 
+inline bool uses_amx(const Problem& p) {
+#ifdef DEEPINFER_DECODE_AMX
+  return amx_path(p);
+#else
+  return false;
+#endif
+}
+
 struct Scratch {
   std::vector<float> page, s;
 #ifdef DEEPINFER_DECODE_AMX
   std::unique_ptr<Tiles> tiles;  // the AMX path's (made on first use)
 #endif
-  explicit Scratch(const Problem& p) : page(p.bf16 ? p.T * p.A : 0), s(8 * p.T) {}
+  explicit Scratch(const Problem& p) : page(p.bf16 && !uses_amx(p) ? p.T * p.A : 0), s(8 * p.T) {}
 };
 
 // One piece's online-softmax state: per head its top score, the sum of exp(score - top), and the
@@ -527,3 +538,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedMlaDecode, PagedMlaDecodeImpl,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("path")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether this build and CPU have the AMX path (for a bfloat16 pool whose widths allow it).
+extern "C" int PagedMlaDecodeAmxAvailable() {
+#ifdef DEEPINFER_DECODE_AMX
+  return deepinfer::amx_granted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
