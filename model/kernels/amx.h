@@ -37,11 +37,11 @@ struct TileConfig {  // palette 1; every tile 16 rows of 64 bytes
 };
 #endif
 
-// body(i) for every item in [0, items) on the calling thread and XLA's intra-op threads (parallel_items);
-// with `tiles` (an AMX build only), each thread that takes part configures the tiles first and releases
-// them after: tile state is per thread.
-template <typename Body>
-void parallel_for(xla::ffi::ThreadPool& threads, int64_t items, bool tiles, Body&& body) {
+// parallel_items (parallel.h) with each thread that takes part configuring the tiles first, with `tiles` (an
+// AMX build only), and releasing them after: tile state is per thread. worker(first, claim) as there, for
+// kernels that keep per-thread buffers across the items a thread takes.
+template <typename Worker>
+void parallel_tiled_items(xla::ffi::ThreadPool& threads, int64_t items, bool tiles, Worker&& worker) {
   parallel_items(threads, items, [&](int64_t first, auto claim) {
 #ifdef DEEPINFER_AMX
     if (tiles) {
@@ -49,11 +49,30 @@ void parallel_for(xla::ffi::ThreadPool& threads, int64_t items, bool tiles, Body
       _tile_loadconfig(&config);
     }
 #endif
-    for (int64_t i = first; i >= 0; i = claim()) body(i);
+    worker(first, claim);
 #ifdef DEEPINFER_AMX
     if (tiles) _tile_release();
 #endif
   });
 }
+
+// body(i) for every item in [0, items), tiles configured as above.
+template <typename Body>
+void parallel_for(xla::ffi::ThreadPool& threads, int64_t items, bool tiles, Body&& body) {
+  parallel_tiled_items(threads, items, tiles, [&](int64_t first, auto claim) {
+    for (int64_t i = first; i >= 0; i = claim()) body(i);
+  });
+}
+
+#ifdef DEEPINFER_AMX
+// Two rows of 32 bfloat16 words (x0, x1: columns c .. c + 32 of rows 2e and 2e + 1) as two rows of a B tile
+// (VNNI: each 32-bit word one column's pair): lo holds columns c .. c + 16, hi c + 16 .. c + 32.
+inline void pair_rows(__m512i x0, __m512i x1, __m512i& lo, __m512i& hi) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  lo = _mm512_permutex2var_epi16(x0, lo_idx, x1);
+  hi = _mm512_permutex2var_epi16(x0, _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16)), x1);
+}
+#endif
 
 }  // namespace deepinfer

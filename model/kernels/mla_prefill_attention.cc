@@ -122,9 +122,6 @@ void lay_out(const Problem& p, int64_t s0) {
       transpose16(rows32 + (16 * j) * words + 16 * kk, words,
                   reinterpret_cast<uint32_t*>(p.keys) + ((s0 / 16 + j) * kk_tiles + kk) * 256);
   // values: tile (s0 / 32 + h, c / 16) row e (row pair) holds columns c .. c + 16 of rows 2e, 2e + 1 interleaved
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                      5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const int64_t c_tiles = p.C / 16;
   for (int64_t h = 0; h < kStep / 32; ++h)
     for (int64_t e = 0; e < 16; ++e) {
@@ -133,8 +130,10 @@ void lay_out(const Problem& p, int64_t s0) {
       for (int64_t c = 0; c < p.C; c += 32) {
         const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
         uint16_t* t0 = p.values + (((s0 / 32 + h) * c_tiles + c / 16) * 512) + e * 32;
-        _mm512_storeu_si512(t0, _mm512_permutex2var_epi16(va, lo, vb));
-        _mm512_storeu_si512(t0 + 512, _mm512_permutex2var_epi16(va, hi, vb));
+        __m512i lo, hi;
+        deepinfer::pair_rows(va, vb, lo, hi);
+        _mm512_storeu_si512(t0, lo);
+        _mm512_storeu_si512(t0 + 512, hi);
       }
     }
 }

@@ -299,10 +299,6 @@ void soften_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
 // The page's value rows [0, rows) as B tiles: tile (c / 16, r / 32) row e holds columns c .. c + 16 of rows
 // 2e, 2e + 1 interleaved (zeros past `rows`, so a stale row never meets a zero weight as 0 x inf).
 void lay_values(const Problem& p, const uint16_t* K, int64_t rows, Tiles& t) {
-  alignas(64) static const uint16_t lo_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo_idx = _mm512_load_si512(lo_order);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const int64_t pairs = (rows + 31) / 32 * 16, stride = (p.T / 32) * 512;  // words per column tile
   for (int64_t c = 0; c < p.C; c += 32) {  // column tiles outer: each written in order (pairs inner wrote 4 KB apart)
     uint16_t* lo = t.v.data() + (c / 16) * stride;
@@ -311,8 +307,10 @@ void lay_values(const Problem& p, const uint16_t* K, int64_t rows, Tiles& t) {
       const int64_t r = 2 * e;
       const __m512i x0 = r < rows ? _mm512_loadu_si512(K + r * p.A + c) : _mm512_setzero_si512();
       const __m512i x1 = r + 1 < rows ? _mm512_loadu_si512(K + (r + 1) * p.A + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(lo + e * 32, _mm512_permutex2var_epi16(x0, lo_idx, x1));  // tile e / 16, row e % 16
-      _mm512_storeu_si512(hi + e * 32, _mm512_permutex2var_epi16(x0, hi_idx, x1));
+      __m512i pair_lo, pair_hi;
+      deepinfer::pair_rows(x0, x1, pair_lo, pair_hi);
+      _mm512_storeu_si512(lo + e * 32, pair_lo);  // tile e / 16, row e % 16
+      _mm512_storeu_si512(hi + e * 32, pair_hi);
     }
   }
 }
@@ -473,12 +471,7 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
   p.tables = tables.typed_data(), p.lengths = lengths.typed_data(), p.fresh = fresh.typed_data();
   p.out = out->typed_data(), p.scale = scale, p.path = path;
   if (path < 0 || path > 2) return ffi::Error::InvalidArgument("paged_mla_decode: path is 0 to 2");
-#ifdef DEEPINFER_DECODE_AMX
-  const bool amx = amx_path(p);
-#else
-  const bool amx = false;
-#endif
-  if (path == 2 && !amx)
+  if (path == 2 && !uses_amx(p))
     return ffi::Error::InvalidArgument("paged_mla_decode: the asked-for path is unavailable for this CPU or these widths");
   for (int64_t b = 0; b < p.B; ++b) {  // the table is trusted only as far as it is checked
     const int64_t length = p.lengths[b];
@@ -501,15 +494,8 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
   std::vector<float> states(items * p.N * (p.C + 2));
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[p.B]);
   for (int64_t b = 0; b < p.B; ++b) left[b].store(first_piece[b + 1] - first_piece[b]);
-  deepinfer::parallel_items(pool_threads, items, [&](int64_t first, auto claim) {
+  deepinfer::parallel_tiled_items(pool_threads, items, uses_amx(p), [&](int64_t first, auto claim) {
     Scratch scratch(p);
-#ifdef DEEPINFER_DECODE_AMX
-    const bool tiles = amx_path(p);  // tile state is per thread: configured by each that takes part
-    if (tiles) {
-      const deepinfer::TileConfig config;
-      _tile_loadconfig(&config);
-    }
-#endif
     for (int64_t i = first; i >= 0; i = claim()) {
       const int64_t b = std::upper_bound(first_piece.begin(), first_piece.end(), i) - first_piece.begin() - 1;
       const int64_t start = (i - first_piece[b]) * split;
@@ -518,9 +504,6 @@ ffi::Error PagedMlaDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
       if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1)
         finish(p, b, first_piece[b], first_piece[b + 1] - first_piece[b], states, scratch);
     }
-#ifdef DEEPINFER_DECODE_AMX
-    if (tiles) _tile_release();
-#endif
   });
   return ffi::Error::Success();
 }
