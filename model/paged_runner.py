@@ -19,6 +19,7 @@ to one fixed size. Short prefill segments of several sequences share one pass (`
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache, partial
 from typing import NamedTuple
 
@@ -30,8 +31,8 @@ from flax import nnx
 from model import cpu_kernels
 from model.config import ModelConfig
 from model.mla import prefer_absorbed
-from model.runner import (MIN_CHUNK, MIN_VIEW, ModelRunner, _as_bits, _bits_dtype, _embed, _expand, _finish,
-                          _head, _pow2)
+from model.runner import (MIN_CHUNK, MIN_VIEW, LayerCalls, ModelRunner, SplitModule, _as_bits, _bits_dtype, _embed,
+                          _pow2)
 from model.transformer import DeepseekModel
 
 SCRATCH_PAGE = 0
@@ -116,10 +117,8 @@ def _view(pool_PBA, table_Q, dtype):
     return pages.reshape(-1, pool_PBA.shape[-1])
 
 
-@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-def _project_paged(graphdef, state, x_TD, pool_PBA, positions_T, slots_T):
+def _project_paged(layer, x_TD, pool_PBA, positions_T, slots_T):
     """Queries of T tokens, and their latents written into the pool."""
-    layer = nnx.merge(graphdef, state)
     h_TD = layer.input_norm(x_TD)
     q_nope_NTH, q_pe_NTR = layer.attn.queries(h_TD, positions_T)
     return q_nope_NTH, q_pe_NTR, _write_slots(pool_PBA, slots_T, layer.attn.latents(h_TD, positions_T))
@@ -239,12 +238,10 @@ def _write_latents(pools, slots_B, latents_LBA):
     return [_write_slots(pool_PBA, slots_B, latents_BA) for pool_PBA, latents_BA in zip(pools, latents_LBA)]
 
 
-@partial(jax.jit, static_argnums=(0, 7, 8))
-def _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, absorbed, positions_MT):
+def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, absorbed, positions_MT):
     """Attention of M tiles of query rows (R = M * tile rows from `_project_paged`; each tile belongs to one
     sequence and reads that sequence's pages, gathered into a (view, A) view per tile), then the feed-forward
     over all R rows at once: (R, D). Attention is the dense runner's (absorbed or expanded), batched over M."""
-    layer = nnx.merge(graphdef, state)
     attn = layer.attn
     M, T = positions_MT.shape
     kv_MSA = _bits_view(pool_PBA, tables_MQ)  # (M, view, A)
@@ -259,11 +256,21 @@ def _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_
     return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
 
 
-@partial(jax.jit, static_argnums=(0,))
-def _head_rows(graphdef, state, x_RD, rows_K):
+def _head_rows(head, x_RD, rows_K):
     """Logits (K, V) float32 of rows rows_K."""
-    head = nnx.merge(graphdef, state)
     return head.lm_head(head.norm(x_RD[rows_K])).astype(jnp.float32)
+
+
+class PagedLayerCalls(NamedTuple):
+    """A layer's jitted building blocks over the pool, beside the dense runner's (`LayerCalls`)."""
+    dense: LayerCalls
+    project: Callable  # (x_TD, pool_PBA (donated), positions_T, slots_T) -> q_nope_NTH, q_pe_NTR, pool_PBA
+    finish_tiles: Callable  # (x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, absorbed, positions_MT)
+
+    @classmethod
+    def of(cls, layer: SplitModule, dense: LayerCalls) -> "PagedLayerCalls":
+        return cls(dense, layer.jit(_project_paged, donate_argnums=(1,)),
+                   layer.jit(_finish_tiles, static_argnums=(5, 6)))
 
 
 class Segment(NamedTuple):
@@ -337,6 +344,9 @@ class PagedRunner:
         self._decode_weights, weights_def = jax.tree.flatten((self.dense.embed_VD, self._layer_states, self._absorbs,
                                                               head_state))
         self._decode_step = _decode_step(self._layer_defs, head_def, weights_def)
+        self._layer_calls = [PagedLayerCalls.of(layer, calls)
+                             for layer, calls in zip(self.dense.split_layers, self.dense.layer_calls)]
+        self._head_rows = self.dense.split_head.jit(_head_rows)
 
     @property
     def decode_attention(self) -> str:
@@ -438,14 +448,12 @@ class PagedRunner:
         x_RD = _embed(self.dense.embed_VD, jnp.asarray(tokens_MT.reshape(-1)))
         positions_R, slots_R = jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1))
         positions_MT, tables_MQ = jnp.asarray(positions_MT), jnp.asarray(tables_MQ)
-        for layer in range(self.cfg.num_layers):
-            graphdef, state = self.dense.layers[layer]
-            q_nope_NRH, q_pe_NRR, self.pool.layers[layer] = _project_paged(
-                graphdef, state, x_RD, self.pool.layers[layer], positions_R, slots_R)
-            x_RD = _finish_tiles(graphdef, state, x_RD, q_nope_NRH, q_pe_NRR, self.pool.layers[layer], tables_MQ,
-                                 view, absorbed, positions_MT)
-        graphdef, state = self.dense.head
-        return _head_rows(graphdef, state, x_RD, jnp.asarray(last_K))
+        for layer, calls in enumerate(self._layer_calls):
+            q_nope_NRH, q_pe_NRR, self.pool.layers[layer] = calls.project(x_RD, self.pool.layers[layer], positions_R,
+                                                                          slots_R)
+            x_RD = calls.finish_tiles(x_RD, q_nope_NRH, q_pe_NRR, self.pool.layers[layer], tables_MQ, view, absorbed,
+                                      positions_MT)
+        return self._head_rows(x_RD, jnp.asarray(last_K))
 
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
@@ -468,23 +476,21 @@ class PagedRunner:
         views = [min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
         absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
-        for layer in range(self.cfg.num_layers):
-            graphdef, state = self.dense.layers[layer]
+        key_block = self.dense.key_block
+        for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
             for i in range(count):
-                q_nope_NTH, q_pe_NTR, pool_PBA = _project_paged(graphdef, state, chunks[i], pool_PBA,
-                                                                positions[i], slots[i])
+                q_nope_NTH, q_pe_NTR, pool_PBA = calls.project(chunks[i], pool_PBA, positions[i], slots[i])
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
             kv_SA = _gather_view(pool_PBA, table)
-            expanded = None if absorbed else _expand(graphdef, state, kv_SA, view)
-            chunks = [_finish(graphdef, state, chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
-                              expanded) for i in range(count)]
+            expanded = None if absorbed else calls.dense.expand(kv_SA, view)
+            chunks = [calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
+                                         expanded, key_block) for i in range(count)]
         if not want_logits:
             return chunks[-1]
-        graphdef, state = self.dense.head
-        return _head(graphdef, state, chunks[-1], np.int32((n - 1) - offsets[-1]))
+        return self.dense.logits(chunks[-1], (n - 1) - offsets[-1])
 
     def _chunk_sizes(self, n: int, end: int) -> list[int]:
         """Rows of each chunk of an n-token segment ending at `end`: chunks of the dense runner's size (a power of
