@@ -5,7 +5,9 @@ same segments computed one by one (PagedRunner.prefill), in-process, on the engi
 
 Each case is a list of segments (tokens, start: the sequence's earlier tokens are already in its pages).
 Both ways run side by side in one process, alternating; every number is the median over --repeats runs.
-This is what sets which segments the engine batches (`PagedRunner.batchable`): short ones.
+This is what sets which segments the engine batches (`PagedRunner.batchable`): short ones. Where the CPU's
+prefill attention kernel reads the pages in place (the engine's default), both ways also run with it over
+gathered views (`PagedRunner(prefill_in_place=False)`, how a pass computed attention before).
 """
 from __future__ import annotations
 
@@ -36,9 +38,12 @@ CASES = {  # name -> [(segment tokens, start)]
 
 def measure(args) -> dict:
     cfg = preset(args.preset)
-    runner = PagedRunner(serving_model(init_model(cfg), "bfloat16"), cfg, LatentPool(cfg, 256, 64))
+    model, pool = serving_model(init_model(cfg), "bfloat16"), LatentPool(cfg, 256, 64)
+    runner = PagedRunner(model, cfg, pool)
+    views = PagedRunner(model, cfg, pool, prefill_in_place=False) if runner.prefill_reads_pages else None
     rng = np.random.default_rng(0)
-    out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0], "cases": {}}
+    out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
+           "in_place": runner.prefill_reads_pages, "cases": {}}
     for name, specs in CASES.items():
         segments, page = [], 1
         for n, start in specs:
@@ -48,29 +53,46 @@ def measure(args) -> dict:
             if start:
                 runner.prefill(tokens[:start], 0, pages, False)
             segments.append(Segment(tokens[start:], start, pages))
-        one_pass = lambda: runner.prefill_segments(segments)  # noqa: E731
-        alone = lambda: [runner.prefill(s.tokens, s.start, s.pages, True) for s in segments]  # noqa: E731
+        def one_pass(r=runner):
+            return r.prefill_segments(segments)
+
+        def alone(r=runner):
+            return [r.prefill(s.tokens, s.start, s.pages, True) for s in segments]
+
         tokens = sum(n for n, _ in specs)
         case = {"segments": specs, "tokens": tokens, "pass_s": median_seconds(one_pass, args.repeats),
                 "alone_s": median_seconds(alone, args.repeats)}
+        if views is not None:
+            case |= {"pass_views_s": median_seconds(lambda: one_pass(views), args.repeats),
+                     "alone_views_s": median_seconds(lambda: alone(views), args.repeats)}
         out["cases"][name] = case
-        print(f"{name}: one pass {case['pass_s'] * 1000:.0f} ms, one by one {case['alone_s'] * 1000:.0f} ms "
-              f"({case['alone_s'] / case['pass_s']:.2f}x)", flush=True)
+        print(f"{name}: one pass {case['pass_s'] * 1000:.0f} ms (gathered views "
+              f"{case.get('pass_views_s', float('nan')) * 1000:.0f}), one by one {case['alone_s'] * 1000:.0f} ms "
+              f"(gathered views {case.get('alone_views_s', float('nan')) * 1000:.0f}); "
+              f"{case['alone_s'] / case['pass_s']:.2f}x", flush=True)
     out["load_average_end"] = os.getloadavg()[0]
     return out
 
 
 def write(result: dict) -> None:
+    def views(c: dict, key: str) -> list[str]:  # the gathered-view column and its ratio, where measured
+        if key not in c:
+            return ["-", "-"]
+        return [f"{c[key] * 1000:.0f}", f"{c[key] / c[key.replace('_views', '')]:.2f}x"]
+
     rows = [[name, c["tokens"], f"{c['pass_s'] * 1000:.0f}", f"{c['pass_s'] / c['tokens'] * 1e6:.0f}",
-             f"{c['alone_s'] * 1000:.0f}", f"{c['alone_s'] / c['tokens'] * 1e6:.0f}",
-             f"{c['alone_s'] / c['pass_s']:.2f}x"] for name, c in result["cases"].items()]
+             *views(c, "pass_views_s"), f"{c['alone_s'] * 1000:.0f}", f"{c['alone_s'] / c['tokens'] * 1e6:.0f}",
+             *views(c, "alone_views_s"), f"{c['alone_s'] / c['pass_s']:.2f}x"] for name, c in result["cases"].items()]
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Model `{result['preset']}` served in bfloat16; segments (tokens at a start position, the earlier "
             "tokens already in the sequence's pages) in one `prefill_segments` pass against one `prefill` each; "
-            "medians, side by side in one process.", "",
-            report.markdown_table(["segments", "tokens", "one pass ms", "us/token", "one by one ms", "us/token",
-                                   "one by one / one pass"], rows),
+            "medians, side by side in one process. Attention: the CPU's prefill kernel reading the pages in place "
+            "(the engine's default), and beside it the same kernel over gathered views, each tile of a pass in "
+            "XLA's loop (how a pass computed it before; `PagedRunner(prefill_in_place=False)`).", "",
+            report.markdown_table(["segments", "tokens", "one pass ms", "us/token", "one pass, gathered views ms",
+                                   "views / in place", "one by one ms", "us/token", "one by one, gathered views ms",
+                                   "views / in place", "one by one / one pass"], rows),
             f"\n![prefill_passes](bench/results/{plot(result)})"]
     report.update_section("Prefill passes (prefill_passes)", "\n".join(body))
 

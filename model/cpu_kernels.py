@@ -7,8 +7,11 @@
 - `few_row_product` (kernels/few_row_product.cc) is a product of a few rows (1-32 with AMX, else 1-4) with
   bfloat16 weights, as a decode step of a few sequences makes: it streams the weights once, where XLA's
   bfloat16 product of so few rows ran well below memory speed (BENCHMARKS.md, few-row products).
+- `mla_prefill_attention` and `mla_prefill_paged_attention` (kernels/mla_prefill_attention.cc, AMX only) are
+  absorbed prefill attention, flash attention on AMX tiles: over a latent view, or over several sequences'
+  pages of the pool read in place, one tile of query tokens per sequence.
 
-Both are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
+They are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
 (-march=native) into one library in the compilation cache's directory, keyed by everything that shapes
 the binary, so a machine builds it once (about 7 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0,
 they are unavailable and the model uses XLA's products: same results within fp tolerance, slower.
@@ -40,6 +43,7 @@ HEADERS = tuple(Path(__file__).with_name("kernels") / name for name in ("paralle
 TARGET = "deepinfer_paged_mla_decode"
 FEW_ROWS_TARGET = "deepinfer_few_row_product"
 PREFILL_TARGET = "deepinfer_mla_prefill_attention"
+PAGED_PREFILL_TARGET = "deepinfer_mla_prefill_paged_attention"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 LANES = 16  # the kernel works in vectors of 16 floats: its A and C must be multiples
 
@@ -101,6 +105,8 @@ def _load() -> tuple[bool, str]:
         library.FewRowProductMaxRows.restype = ctypes.c_int64
         _state["few_rows"] = int(library.FewRowProductMaxRows())  # 32 where AMX is granted, else 4
         jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.MlaPrefillAttention), platform="cpu")
+        jax.ffi.register_ffi_target(PAGED_PREFILL_TARGET, jax.ffi.pycapsule(library.MlaPrefillPagedAttention),
+                                    platform="cpu")
         _state["prefill"] = bool(library.MlaPrefillAttentionAvailable())  # AMX only
         _state["decode_amx"] = bool(library.PagedMlaDecodeAmxAvailable())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -182,3 +188,15 @@ def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax
                             vmap_method="sequential")(
         q_NTA.astype(jnp.bfloat16), view_SA, positions_T.astype(jnp.int32), scale=np.float32(scale),
         valid=np.int64(view), C=np.int64(value_dim))
+
+
+def mla_prefill_paged_attention(q_NRA: jax.Array, pool_PBA: jax.Array, tables_MQ: jax.Array, positions_MT: jax.Array,
+                                scale: float, view: int, value_dim: int) -> jax.Array:
+    """`mla_prefill_attention` of M tiles of T tokens at once (R = M * T query rows per head, tile m's rows
+    m * T .. + T), each over rows [0, min(position + 1, view)) of its own sequence's pages in the pool (raw
+    bfloat16 bits, pages of a multiple of 64 rows), read in place through its table row tables_MQ[m]: (N, R,
+    value_dim) float32, a tile's rows bit for bit what mla_prefill_attention gives them over the gathered view."""
+    N, R, _ = q_NRA.shape
+    return jax.ffi.ffi_call(PAGED_PREFILL_TARGET, jax.ShapeDtypeStruct((N, R, value_dim), jnp.float32))(
+        q_NRA.astype(jnp.bfloat16), pool_PBA, tables_MQ.astype(jnp.int32), positions_MT.astype(jnp.int32),
+        scale=np.float32(scale), valid=np.int64(view), C=np.int64(value_dim))

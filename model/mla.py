@@ -138,10 +138,29 @@ class MLAttention(nnx.Module):
             out_NTV = self._attend_blockwise(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded, block)
         else:
             out_NTV = self._attend_once(q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
-        # Head-major products, then one transpose of the (small) result: a dot that writes (T, N, .)
-        # directly measured 2.4x slower on XLA:CPU.
-        out_TX = out_NTV.astype(dtype).transpose(1, 0, 2).reshape(T, self.num_heads * self.v_dim)
-        return self.o_proj(out_TX)
+        return self._output(out_NTV)
+
+    def _output(self, out_NTV: jax.Array) -> jax.Array:
+        """(T, D): the heads' values through the output projection. Head-major products, then one transpose of
+        the (small) result: a dot that writes (T, N, .) directly measured 2.4x slower on XLA:CPU."""
+        T = out_NTV.shape[1]
+        return self.o_proj(out_NTV.astype(self.w_uk.dtype).transpose(1, 0, 2).reshape(T, self.num_heads * self.v_dim))
+
+    def reads_pages(self, pool_PBA: jax.Array) -> bool:
+        """Whether `attend_pages` can read this paged pool in place (the CPU's prefill kernel, pages of whole
+        64-row steps of raw bfloat16 bits)."""
+        return bool(self.prefill_kernel) and pool_PBA.dtype == jnp.uint16 and pool_PBA.shape[1] % 64 == 0
+
+    def attend_pages(self, q_nope_NRH: jax.Array, q_pe_NRR: jax.Array, positions_MT: jax.Array, pool_PBA: jax.Array,
+                     tables_MQ: jax.Array, view: int) -> jax.Array:
+        """`attend` absorbed for M tiles of T query rows at once (R = M * T; tile m holds one sequence's tokens
+        and attends over rows [0, view) of that sequence's pages, tables_MQ[m], of a paged pool of raw bits):
+        (R, D). The CPU's prefill kernel reads the pages in place, every tile in one call (`reads_pages`)."""
+        dtype = self.w_uk.dtype
+        q_NRA = self._absorbed_queries(q_nope_NRH.astype(dtype), q_pe_NRR.astype(dtype))
+        out_NRC = cpu_kernels.mla_prefill_paged_attention(q_NRA, pool_PBA, tables_MQ, positions_MT, self.scale,
+                                                          view, self.kv_lora_rank)
+        return self._output(self._latent_values(out_NRC.astype(dtype)))
 
     def _rows(self, rows_SA: jax.Array, dtype) -> jax.Array:
         """Cache rows at `dtype`. A cache may also hand its rows over as their raw bits (the runners' prefill

@@ -238,18 +238,24 @@ def _write_latents(pools, slots_B, latents_LBA):
     return [_write_slots(pool_PBA, slots_B, latents_BA) for pool_PBA, latents_BA in zip(pools, latents_LBA)]
 
 
-def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, absorbed, positions_MT):
+def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, form, positions_MT):
     """Attention of M tiles of query rows (R = M * tile rows from `_project_paged`; each tile belongs to one
-    sequence and reads that sequence's pages, gathered into a (view, A) view per tile), then the feed-forward
-    over all R rows at once: (R, D). Attention is the dense runner's (absorbed or expanded), batched over M."""
+    sequence and reads that sequence's pages), then the feed-forward over all R rows at once: (R, D). `form`
+    "pages": absorbed, by the CPU's prefill kernel, every tile in one call reading the pages in place
+    (MLAttention.attend_pages); "absorbed" or "expanded": the dense runner's attention, batched over M, each
+    tile's pages gathered into a (view, A) view. The pages form measured 1.3x faster for a whole pass of 8
+    64-token segments on `mini` (BENCHMARKS.md, prefill passes)."""
     attn = layer.attn
+    if form == "pages":
+        x_RD = x_RD + attn.attend_pages(q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, view)
+        return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
     M, T = positions_MT.shape
     kv_MSA = _bits_view(pool_PBA, tables_MQ)  # (M, view, A)
     q_nope_MNTH = q_nope_NRH.reshape(q_nope_NRH.shape[0], M, T, -1).transpose(1, 0, 2, 3)
     q_pe_MNTR = q_pe_NRR.reshape(q_pe_NRR.shape[0], M, T, -1).transpose(1, 0, 2, 3)
 
     def one(q_nope_NTH, q_pe_NTR, positions_T, kv_SA):
-        expanded = None if absorbed else attn.expand(kv_SA, view, attn.w_uk.dtype)
+        expanded = None if form == "absorbed" else attn.expand(kv_SA, view, attn.w_uk.dtype)
         return attn.attend(q_nope_NTH, q_pe_NTR, positions_T, kv_SA, view, expanded)
 
     x_RD = x_RD + jax.vmap(one)(q_nope_MNTH, q_pe_MNTR, positions_MT, kv_MSA).reshape(M * T, -1)
@@ -265,7 +271,7 @@ class PagedLayerCalls(NamedTuple):
     """A layer's jitted building blocks over the pool, beside the dense runner's (`LayerCalls`)."""
     dense: LayerCalls
     project: Callable  # (x_TD, pool_PBA (donated), positions_T, slots_T) -> q_nope_NTH, q_pe_NTR, pool_PBA
-    finish_tiles: Callable  # (x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, absorbed, positions_MT)
+    finish_tiles: Callable  # (x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, form, positions_MT)
 
     @classmethod
     def of(cls, layer: SplitModule, dense: LayerCalls) -> "PagedLayerCalls":
@@ -311,7 +317,8 @@ class PagedRunner:
 
     def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, chunk_tokens: int = 512,
                  attention: str = "auto", attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0,
-                 decode_kernel: bool | None = None, decode_kernel_path: str | None = None):
+                 decode_kernel: bool | None = None, decode_kernel_path: str | None = None,
+                 prefill_in_place: bool | None = None):
         # The dense runner's weights split per layer and its chunking rule are reused as they are.
         self.dense = ModelRunner(model, cfg, chunk_tokens, attention, attention_budget_bytes)
         self.cfg, self.pool = cfg, pool
@@ -347,6 +354,12 @@ class PagedRunner:
         self._layer_calls = [PagedLayerCalls.of(layer, calls)
                              for layer, calls in zip(self.dense.split_layers, self.dense.layer_calls)]
         self._head_rows = self.dense.split_head.jit(_head_rows)
+        # Absorbed prefill attention reads the pages in place where the CPU's prefill kernel can
+        # (MLAttention.attend_pages); None decides so, False gathers views (benches compare both).
+        ok = model.layers[0].attn.reads_pages(pool.layers[0])
+        self.prefill_reads_pages = ok if prefill_in_place is None else prefill_in_place
+        if self.prefill_reads_pages and not ok:
+            raise ValueError("prefill attention in place was asked for but the prefill kernel cannot read this pool")
 
     @property
     def decode_attention(self) -> str:
@@ -445,19 +458,21 @@ class PagedRunner:
             tile += count
         absorbed = (prefer_absorbed(self.cfg, B, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
+        form = ("pages" if self.prefill_reads_pages else "absorbed") if absorbed else "expanded"
         x_RD = _embed(self.dense.embed_VD, jnp.asarray(tokens_MT.reshape(-1)))
         positions_R, slots_R = jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1))
         positions_MT, tables_MQ = jnp.asarray(positions_MT), jnp.asarray(tables_MQ)
         for layer, calls in enumerate(self._layer_calls):
             q_nope_NRH, q_pe_NRR, self.pool.layers[layer] = calls.project(x_RD, self.pool.layers[layer], positions_R,
                                                                           slots_R)
-            x_RD = calls.finish_tiles(x_RD, q_nope_NRH, q_pe_NRR, self.pool.layers[layer], tables_MQ, view, absorbed,
+            x_RD = calls.finish_tiles(x_RD, q_nope_NRH, q_pe_NRR, self.pool.layers[layer], tables_MQ, view, form,
                                       positions_MT)
         return self._head_rows(x_RD, jnp.asarray(last_K))
 
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
-        writes their latents into `pages`. Returns the logits (V,) at the last position if asked, else the
+        writes their latents into `pages`. Absorbed with the CPU's prefill kernel, attention reads the pages in
+        place (`_finish_tiles`, one tile per chunk); otherwise over the pages gathered into a view once per layer. Returns the logits (V,) at the last position if asked, else the
         last chunk's output (T, D): dispatched, not waited for; a caller that times the segment blocks on it."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
@@ -477,6 +492,7 @@ class PagedRunner:
         absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         key_block = self.dense.key_block
+        in_place = absorbed and self.prefill_reads_pages  # the kernel reads the pages: no view gathered
         for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
@@ -484,6 +500,10 @@ class PagedRunner:
                 q_nope_NTH, q_pe_NTR, pool_PBA = calls.project(chunks[i], pool_PBA, positions[i], slots[i])
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
+            if in_place:
+                chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, table[None], views[i], "pages",
+                                             positions[i][None]) for i in range(count)]
+                continue
             kv_SA = _gather_view(pool_PBA, table)
             expanded = None if absorbed else calls.dense.expand(kv_SA, view)
             chunks = [calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],

@@ -330,3 +330,49 @@ def test_prefill_attention_refuses_what_it_cannot_compute(q_shape, S, C, why):
     _, bits = latents(rng, S, q_shape[-1])
     with pytest.raises(Exception, match=why):
         prefill_attention(q, bits, np.arange(q_shape[1], dtype=np.int32), 0.1, 64, C)
+
+
+def paged_prefill_attention(q, pool, tables, pos, scale, view, C):
+    return np.asarray(jax.jit(cpu_kernels.mla_prefill_paged_attention, static_argnums=(4, 5, 6))(
+        q, pool, tables, pos, scale, view, C))
+
+
+@needs_amx
+@pytest.mark.parametrize("page", [64, 128])
+def test_paged_prefill_attention_gives_each_tile_the_bits_of_its_gathered_view(page):
+    """Tiles of several sequences in one call, each over its own pages read in place (shared pages too, as a
+    prefix kept hot), give each tile what the single-view call gives it over its pages gathered; the result
+    also stays within tolerance of a float64 reference."""
+    rng = np.random.default_rng(page)
+    N, T, A, C, P, Q = 8, 64, 576, 512, 24, 4
+    pool_kv, pool = latents(rng, P * page, A)
+    pool, pool_kv = pool.reshape(P, page, A), pool_kv.reshape(P, page, A)
+    tables = np.stack([rng.choice(np.arange(1, P), Q, replace=False) for _ in range(4)]).astype(np.int32)
+    tables[3, :2] = tables[0, :2]  # a prefix two sequences share
+    view = Q * page - 40  # rows past it are never read, whatever the positions
+    pos = np.stack([s + np.arange(T) for s in (0, 100, view - T, view - 10)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((N, 4 * T, A)) * 0.2, jnp.bfloat16)
+    got = paged_prefill_attention(q, pool, tables, pos, 0.07, view, C)
+    assert got.shape == (N, 4 * T, C) and got.dtype == np.float32
+    for m in range(4):
+        rows = slice(m * T, (m + 1) * T)
+        alone = prefill_attention(q[:, rows], pool[tables[m]].reshape(-1, A), pos[m], 0.07, view, C)
+        assert np.array_equal(got[:, rows], alone), f"tile {m} differs from its gathered view"
+        want = attention_reference(q[:, rows], pool_kv[tables[m]].reshape(-1, A), np.minimum(pos[m], view - 1),
+                                   0.07, view, C)
+        np.testing.assert_allclose(got[:, rows], want, atol=8e-3 * np.abs(want).max(), rtol=0)
+
+
+@needs_amx
+@pytest.mark.parametrize("page, table_page, view, why", [(64, 9, 128, "outside the pool"),
+                                                         (64, -1, 128, "outside the pool"),
+                                                         (32, 1, 64, "multiple of 64"),
+                                                         (64, 1, 192, "valid <= Q \\* B")])
+def test_paged_prefill_attention_refuses_a_table_or_pool_it_cannot_read(page, table_page, view, why):
+    rng = np.random.default_rng(1)
+    _, pool = latents(rng, 8 * page, 64)
+    tables = np.asarray([[1, table_page]], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.bfloat16)
+    with pytest.raises(Exception, match=why):
+        paged_prefill_attention(q, pool.reshape(8, page, 64), tables, np.arange(16, dtype=np.int32)[None] + 64,
+                                0.1, view, 32)

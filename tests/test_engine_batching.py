@@ -209,10 +209,12 @@ def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny)
     assert not paged.batchable(256, 256)  # a long segment computes alone (faster there)
 
 
-def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pass():
-    """Latent widths our prefill attention kernel takes (tiny's 48 is not), pages of 16 tokens: a pass of
-    several sequences runs both kernels under vmap (each tile's projections are 16 rows: the few-row kernel).
-    Logits alone and in one pass, and the next decode step, within bfloat16 tolerance of XLA's path."""
+@pytest.mark.parametrize("page", [16, 64])
+def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pass(page):
+    """Latent widths our prefill attention kernel takes (tiny's 48 is not). Pages of 64 tokens: the kernel reads
+    the pages in place, a pass's tiles in one call; of 16: over gathered views, a pass of several sequences under
+    vmap (each tile's projections are 16 rows: the few-row kernel). Logits alone and in one pass, and the next
+    decode step, within bfloat16 tolerance of XLA's path."""
     from model import cpu_kernels
     if not cpu_kernels.prefill_attention_available():
         pytest.skip("the prefill attention kernel needs AMX")
@@ -226,8 +228,9 @@ def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pa
     tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(specs))]
     out = {}
     for name, model in models.items():
-        paged = PagedRunner(model, cfg, LatentPool(cfg, 40, 16), chunk_tokens=64)
+        paged = PagedRunner(model, cfg, LatentPool(cfg, 40, page), chunk_tokens=64)
         assert paged.dense.prefill_kernel == (name == "kernels")
+        assert paged.prefill_reads_pages == (name == "kernels" and page == 64)
         for p, (n, start), table in zip(prompts, specs, tables):
             if start:
                 paged.prefill(p[:start], 0, table, False)

@@ -21,6 +21,18 @@
 // Attrs:   scale  f32   the softmax scale;  view  s64  the view's valid rows (<= S);  C  s64  value columns
 // Output:  out    f32   (N, T, C): the softmax-weighted values, normalised
 //
+// MlaPrefillPagedAttention is the same for M tiles of T tokens at once, each over its own sequence's pages of
+// the latent pool read in place (no gathered view): what a pass of several sequences' prefill segments
+// computes (PagedRunner.prefill_segments). Called once per tile, XLA's loop over the tiles, the view each one
+// gathered and the copies in and out of the loop cost about as much as the attention itself.
+// Inputs:  q      bf16  (N, M * T, A): tile m's queries are rows m * T .. + T of each head
+//          pool   u16   (P, B, A): the pool's pages (B a multiple of 64 rows)
+//          tables s32   (M, Q): tile m's pages, in position order; view rows [0, valid) of a tile are its first
+//                       valid / B pages (valid <= Q * B)
+//          pos    s32   (M, T): each token's position
+// Output:  out    f32   (N, M * T, C)
+// A tile's rows give the bits the single-view call gives for the same queries over the same rows.
+//
 // A query row's result depends on its own query, its position and the view alone, summed in a fixed
 // order (blocks of 64 view rows from row 0): whatever else shares the call, its bits are the same.
 #include <algorithm>
@@ -66,11 +78,14 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 struct Problem {
-  const uint16_t* q;     // (R, A) bfloat16 bits, R = N * T
-  const uint16_t* view;  // (S, A)
+  const uint16_t* q;     // (N, stride, A) bfloat16 bits: this problem's token t of head n is row n * stride + t0 + t
+  const uint16_t* view;  // (S, A), or the pool's pages (P, B, A) when `table` is given
+  const int32_t* table;  // the view's pages, or null
+  int64_t page;          // rows per page
   const int32_t* pos;    // (T,)
-  float* out;            // (R, C)
-  int64_t N, T, A, C, rows, span;  // span: view rows the call reads (a multiple of kStep, zero past `view`)
+  float* out;            // (N, stride, C), rows as q's
+  int64_t stride, t0;
+  int64_t N, T, A, C, rows, span;  // rows: N * T; span: view rows the call reads (a multiple of kStep, zero past `view`)
   int64_t valid;                   // the view's valid rows
   float scale;
   uint16_t* keys;    // (span / 16, A / 32) tiles of (16 dim pairs x 16 rows x 2)
@@ -109,7 +124,8 @@ inline void transpose16(const uint32_t* in, int64_t stride, uint32_t* out) {
 // Rows [s0, s0 + kStep) of the view into the key and value tiles (rows past `valid` as zeros).
 void lay_out(const Problem& p, int64_t s0) {
   const int64_t A = p.A, words = A / 2, kk_tiles = A / 32;  // a row is A / 2 words of two bfloat16
-  const uint32_t* rows32 = reinterpret_cast<const uint32_t*>(p.view + s0 * A);
+  const uint16_t* first = p.table ? p.view + (p.table[s0 / p.page] * p.page + s0 % p.page) * A : p.view + s0 * A;
+  const uint32_t* rows32 = reinterpret_cast<const uint32_t*>(first);
   if (s0 + kStep > p.valid) {  // the last step: a copy with zeros past `valid`
     thread_local std::vector<uint32_t> buffer;
     buffer.assign(kStep * words, 0);
@@ -217,7 +233,7 @@ void group_rows(const Problem& p, int64_t g, Scratch& w) {
     w.top[i] = neg_inf, w.total[i] = 0.f;
     for (int64_t kk = 0; kk < kk_tiles; ++kk) {  // tile i / 16's A tile kk holds dims 32 kk .. + 32
       uint16_t* dst = w.q.data() + ((i / kRows) * kk_tiles + kk) * 512 + (i % kRows) * 32;
-      if (real) std::memcpy(dst, p.q + (head * p.T + token) * A + kk * 32, 64);
+      if (real) std::memcpy(dst, p.q + (head * p.stride + p.t0 + token) * A + kk * 32, 64);
       else std::memset(dst, 0, 64);
     }
   }
@@ -283,7 +299,7 @@ void group_rows(const Problem& p, int64_t g, Scratch& w) {
     const int64_t row = first + i, token = row / p.N, head = row % p.N;
     const float inv = w.total[i] > 0.f ? 1.f / w.total[i] : 0.f;
     const float* acc = w.acc.data() + i * C;
-    float* out = p.out + (head * p.T + token) * C;
+    float* out = p.out + (head * p.stride + p.t0 + token) * C;
     for (int64_t c = 0; c < C; ++c) out[c] = acc[c] * inv;
   }
 }
@@ -298,6 +314,32 @@ bool available() {
 #endif
 }
 
+#ifdef DEEPINFER_AMX_ATTENTION
+// One problem: its view laid out for the tiles, then its query rows in groups, on XLA's intra-op threads.
+void run(ffi::ThreadPool& threads, Problem& p, int64_t valid) {
+  p.rows = p.N * p.T, p.valid = valid;
+  int64_t last = 0;
+  for (int64_t t = 0; t < p.T; ++t) last = std::max<int64_t>(last, std::min<int64_t>(p.pos[t] + 1, valid));
+  p.span = (last + kStep - 1) / kStep * kStep;
+  // The laid-out view, reused across calls on this thread (grown, never shrunk): no page faults per call.
+  thread_local std::vector<uint16_t> keys, values;
+  if (keys.size() < static_cast<size_t>(p.span * p.A)) keys.resize(p.span * p.A);
+  if (values.size() < static_cast<size_t>(p.span * p.C)) values.resize(p.span * p.C);
+  p.keys = keys.data(), p.values = values.data();
+  deepinfer::parallel_for(threads, p.span / kStep, false, [&](int64_t i) { lay_out(p, i * kStep); });
+  deepinfer::parallel_for(threads, (p.rows + kGroup * kRows - 1) / (kGroup * kRows), true, [&](int64_t g) {
+    thread_local Scratch* scratch = new Scratch;  // one per thread, kept
+    group_rows(p, g, *scratch);
+  });
+}
+#endif
+
+ffi::Error check_widths(int64_t A, int64_t C) {
+  if (A % 32 || A > 1024 || C % 32 || C > A || C > 1024)
+    return ffi::Error::InvalidArgument("mla_prefill_attention: A and C multiples of 32, C <= A <= 1024");
+  return ffi::Error::Success();
+}
+
 ffi::Error MlaPrefillAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ffi::Buffer<ffi::U16> view,
                                    ffi::Buffer<ffi::S32> pos, float scale, int64_t valid, int64_t C,
                                    ffi::ResultBuffer<ffi::F32> out) {
@@ -306,27 +348,48 @@ ffi::Error MlaPrefillAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ff
   const auto qd = q.dimensions(), vd = view.dimensions(), od = out->dimensions();
   if (qd.size() != 3 || vd.size() != 2 || od.size() != 3 || q.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("mla_prefill_attention: q (N, T, A) bfloat16, view (S, A), out (N, T, C)");
-  Problem p;
-  p.N = qd[0], p.T = qd[1], p.A = qd[2], p.C = C, p.rows = p.N * p.T, p.valid = valid, p.scale = scale;
+  Problem p{};
+  p.N = qd[0], p.T = qd[1], p.A = qd[2], p.C = C, p.scale = scale, p.stride = p.T, p.t0 = 0;
   if (vd[1] != p.A || od[0] != p.N || od[1] != p.T || od[2] != C || pos.element_count() != static_cast<size_t>(p.T))
     return ffi::Error::InvalidArgument("mla_prefill_attention: mismatched shapes");
-  if (p.A % 32 || p.A > 1024 || C % 32 || C > p.A || C > kMaxC || valid < 0 || valid > vd[0])
-    return ffi::Error::InvalidArgument("mla_prefill_attention: A and C multiples of 32, C <= A <= 1024, valid <= S");
+  if (auto bad = check_widths(p.A, C); bad.failure()) return bad;
+  if (valid < 0 || valid > vd[0]) return ffi::Error::InvalidArgument("mla_prefill_attention: valid <= S");
   p.q = static_cast<const uint16_t*>(q.untyped_data()), p.view = view.typed_data(), p.pos = pos.typed_data();
   p.out = out->typed_data();
-  int64_t last = 0;
-  for (int64_t t = 0; t < p.T; ++t) last = std::max<int64_t>(last, std::min<int64_t>(p.pos[t] + 1, valid));
-  p.span = (last + kStep - 1) / kStep * kStep;
-  // The laid-out view, reused across calls on this thread (grown, never shrunk): no page faults per call.
-  thread_local std::vector<uint16_t> keys, values;
-  if (keys.size() < static_cast<size_t>(p.span * p.A)) keys.resize(p.span * p.A);
-  if (values.size() < static_cast<size_t>(p.span * C)) values.resize(p.span * C);
-  p.keys = keys.data(), p.values = values.data();
-  deepinfer::parallel_for(threads, p.span / kStep, false, [&](int64_t i) { lay_out(p, i * kStep); });
-  deepinfer::parallel_for(threads, (p.rows + kGroup * kRows - 1) / (kGroup * kRows), true, [&](int64_t g) {
-    thread_local Scratch* scratch = new Scratch;  // one per thread, kept
-    group_rows(p, g, *scratch);
-  });
+  run(threads, p, valid);
+#endif
+  return ffi::Error::Success();
+}
+
+ffi::Error MlaPrefillPagedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ffi::Buffer<ffi::U16> pool,
+                                        ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> pos, float scale,
+                                        int64_t valid, int64_t C, ffi::ResultBuffer<ffi::F32> out) {
+  if (!available()) return ffi::Error::Internal("mla_prefill_paged_attention: this CPU or build has no AMX");
+#ifdef DEEPINFER_AMX_ATTENTION
+  const auto qd = q.dimensions(), pd = pool.dimensions(), td = tables.dimensions(), sd = pos.dimensions();
+  const auto od = out->dimensions();
+  if (qd.size() != 3 || pd.size() != 3 || td.size() != 2 || sd.size() != 2 || od.size() != 3 ||
+      q.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "mla_prefill_paged_attention: q (N, M * T, A) bfloat16, pool (P, B, A), tables (M, Q), pos (M, T), "
+        "out (N, M * T, C)");
+  const int64_t N = qd[0], R = qd[1], A = qd[2], P = pd[0], B = pd[1], M = td[0], Q = td[1], T = sd[1];
+  if (pd[2] != A || sd[0] != M || M * T != R || od[0] != N || od[1] != R || od[2] != C)
+    return ffi::Error::InvalidArgument("mla_prefill_paged_attention: mismatched shapes");
+  if (auto bad = check_widths(A, C); bad.failure()) return bad;
+  if (B % kStep || valid < 0 || valid > Q * B)
+    return ffi::Error::InvalidArgument("mla_prefill_paged_attention: pages of a multiple of 64 rows, valid <= Q * B");
+  const int32_t* table = tables.typed_data();
+  for (int64_t i = 0; i < M * Q; ++i)  // a page outside the pool is refused, never read
+    if (i % Q < (valid + B - 1) / B && (table[i] < 0 || table[i] >= P))
+      return ffi::Error::InvalidArgument("mla_prefill_paged_attention: a table names a page outside the pool");
+  for (int64_t m = 0; m < M; ++m) {
+    Problem p{};
+    p.N = N, p.T = T, p.A = A, p.C = C, p.scale = scale, p.stride = R, p.t0 = m * T;
+    p.q = static_cast<const uint16_t*>(q.untyped_data()), p.view = pool.typed_data(), p.table = table + m * Q;
+    p.page = B, p.pos = pos.typed_data() + m * T, p.out = out->typed_data();
+    run(threads, p, valid);
+  }
 #endif
   return ffi::Error::Success();
 }
@@ -340,6 +403,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaPrefillAttention, MlaPrefillAttentionImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("valid")
+                                  .Attr<int64_t>("C")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaPrefillPagedAttention, MlaPrefillPagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("valid")
