@@ -9,7 +9,7 @@
   bfloat16 product of so few rows ran well below memory speed (BENCHMARKS.md, few-row products).
 - `mla_prefill_attention` and `mla_prefill_paged_attention` (kernels/mla_prefill_attention.cc, AMX only) are
   absorbed prefill attention, flash attention on AMX tiles: over a latent view, or over several sequences'
-  pages of the pool read in place, one tile of query tokens per sequence.
+  pages of the pool read in place, each tile of query tokens over its own sequence's pages.
 
 They are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
 (-march=native) into one library in the compilation cache's directory, keyed by everything that shapes

@@ -10,8 +10,9 @@ Two kinds of work share a model step (the scheduler decides which):
   sequence's pages through its block table (in place on the CPU, our kernel (cpu_kernels); elsewhere a gather
   into a dense (B, S, A) view, where a ragged paged MLA kernel for GPU/TPU can take the same arguments);
 - prefill segment: tokens [start, start + n) of one sequence, layer-major over sub-chunks, attending
-  over the sequence's pages gathered once per layer (the latents are written to the pool first and
-  read back, so a prefix loaded from disk, kept in memory or computed a step earlier look the same).
+  over the sequence's pages (on a CPU with AMX read in place by our prefill kernel; elsewhere gathered into a
+  view once per layer). The latents are written to the pool first and read back, so a prefix loaded from disk,
+  kept in memory or computed a step earlier look the same.
 
 Shapes are bucketed (batch to powers of two, views by `view_bucket`: finer for decode, which reads every
 row of its views each step) so the compile count stays small; batch-invariant mode pads every decode batch
@@ -243,8 +244,8 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     sequence and reads that sequence's pages), then the feed-forward over all R rows at once: (R, D). `form`
     "pages": absorbed, by the CPU's prefill kernel, every tile in one call reading the pages in place
     (MLAttention.attend_pages); "absorbed" or "expanded": the dense runner's attention, batched over M, each
-    tile's pages gathered into a (view, A) view. The pages form measured 1.3x faster for a whole pass of 8
-    64-token segments on `mini` (BENCHMARKS.md, prefill passes)."""
+    tile's pages gathered into a (view, A) view. A pass in the pages form measured 1.04-1.63x faster on `mini`
+    (BENCHMARKS.md, prefill passes)."""
     attn = layer.attn
     if form == "pages":
         x_RD = x_RD + attn.attend_pages(q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, view)
@@ -289,7 +290,7 @@ class Segment(NamedTuple):
 DECODE_VIEW_STEPS = 4  # decode view sizes per doubling past 512 rows: at most 1.25x masked rows
 MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass at most: 512 rows, as a chunk
 MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
-MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass gathers per tile
+MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass reads (or gathers) per tile
 
 
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
@@ -355,7 +356,8 @@ class PagedRunner:
                              for layer, calls in zip(self.dense.split_layers, self.dense.layer_calls)]
         self._head_rows = self.dense.split_head.jit(_head_rows)
         # Absorbed prefill attention reads the pages in place where the CPU's prefill kernel can
-        # (MLAttention.attend_pages); None decides so, False gathers views (benches compare both).
+        # (MLAttention.attend_pages); None decides so, False gathers views (benches compare both). The expanded
+        # form always gathers views.
         ok = model.layers[0].attn.reads_pages(pool.layers[0])
         self.prefill_reads_pages = ok if prefill_in_place is None else prefill_in_place
         if self.prefill_reads_pages and not ok:
@@ -418,8 +420,9 @@ class PagedRunner:
     def batchable(self, n: int, end: int) -> bool:
         """Whether a segment of n tokens ending at `end` goes in a `prefill_segments` pass: a short one (alone,
         its padded chunk would be mostly padding, and its pass's fixed cost would be paid for a few rows) whose
-        view is short enough to be gathered once per tile. A longer one computes faster alone (`prefill`:
-        measured in BENCHMARKS.md, prefill passes)."""
+        view is short enough to be read (or gathered) once per tile: the kernel lays a tile's view out again
+        for each tile. A longer one went faster alone when passes gathered views (`prefill`: measured in
+        BENCHMARKS.md, prefill passes; reading pages in place, about as fast either way)."""
         return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
 
     def prefill_segments(self, segments: list[Segment]) -> jax.Array:
@@ -472,8 +475,10 @@ class PagedRunner:
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
         writes their latents into `pages`. Absorbed with the CPU's prefill kernel, attention reads the pages in
-        place (`_finish_tiles`, one tile per chunk); otherwise over the pages gathered into a view once per layer. Returns the logits (V,) at the last position if asked, else the
-        last chunk's output (T, D): dispatched, not waited for; a caller that times the segment blocks on it."""
+        place (`_finish_tiles`, one tile per chunk; a single token takes XLA's path, as the dense runner's does);
+        otherwise over the pages gathered into a view once per layer. Returns the logits (V,) at the last
+        position if asked, else the last chunk's output (T, D): dispatched, not waited for; a caller that times
+        the segment blocks on it."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
@@ -492,7 +497,8 @@ class PagedRunner:
         absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         key_block = self.dense.key_block
-        in_place = absorbed and self.prefill_reads_pages  # the kernel reads the pages: no view gathered
+        in_place = absorbed and self.prefill_reads_pages and n > 1  # the kernel reads the pages: no view gathered
+        tables_1Q, positions_1T = table[None], [p[None] for p in positions]
         for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
@@ -501,8 +507,8 @@ class PagedRunner:
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
             if in_place:
-                chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, table[None], views[i], "pages",
-                                             positions[i][None]) for i in range(count)]
+                chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, tables_1Q, views[i], "pages",
+                                             positions_1T[i]) for i in range(count)]
                 continue
             kv_SA = _gather_view(pool_PBA, table)
             expanded = None if absorbed else calls.dense.expand(kv_SA, view)

@@ -245,6 +245,33 @@ def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pa
         np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max())
 
 
+def test_prefill_reading_pages_in_place_gives_the_logits_of_gathered_views():
+    """The same model and pool, prefill attention read in place (the default on a CPU with AMX) against the same
+    kernel over gathered views: a sequence's segment of several chunks (each chunk's own causal view, a table
+    wider than its valid rows), a one-token segment, and a pass of several sequences' segments."""
+    from model import cpu_kernels
+    if not cpu_kernels.prefill_attention_available():
+        pytest.skip("the prefill attention kernel needs AMX")
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
+    model = serving_model(init_model(cfg), "bfloat16")
+    pool = LatentPool(cfg, 64, 64)
+    runners = {"pages": PagedRunner(model, cfg, pool, chunk_tokens=64),
+               "views": PagedRunner(model, cfg, pool, chunk_tokens=64, prefill_in_place=False)}
+    assert runners["pages"].prefill_reads_pages and not runners["views"].prefill_reads_pages
+    p = prompt(7, 700)
+    out = {}
+    for name, runner in runners.items():  # each writes the same latents into the same pages
+        runner.prefill(p[:100], 0, list(range(1, 13)), False)
+        long = runner.prefill(p[100:400], 100, list(range(1, 13)), True)  # chunks of 64 up to 400, views per chunk
+        one = runner.prefill(p[400:401], 400, list(range(1, 13)), True)
+        segments = [Segment(p[401:441], 401, list(range(1, 13))), Segment(p[:50], 0, list(range(20, 22)))]
+        out[name] = [np.asarray(long), np.asarray(one), np.asarray(runner.prefill_segments(segments))[:2]]
+    for got, want in zip(out["pages"], out["views"]):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="in place was asked for"):
+        PagedRunner(model, cfg, LatentPool(cfg, 8, 16), prefill_in_place=True)
+
+
 @pytest.mark.parametrize("dtype, path, tolerance", [("bfloat16", "auto", 3e-2), ("float32", "float32", 1e-4)])
 def test_decode_attention_takes_the_kernel_path_of_the_serving_dtype_and_matches_the_gathered_view(dtype, path,
                                                                                                     tolerance):

@@ -27,8 +27,8 @@
 // gathered and the copies in and out of the loop cost about as much as the attention itself.
 // Inputs:  q      bf16  (N, M * T, A): tile m's queries are rows m * T .. + T of each head
 //          pool   u16   (P, B, A): the pool's pages (B a multiple of 64 rows)
-//          tables s32   (M, Q): tile m's pages, in position order; view rows [0, valid) of a tile are its first
-//                       valid / B pages (valid <= Q * B)
+//          tables s32   (M, Q): tile m's pages, in position order; view rows [0, valid) of a tile are in its
+//                       first ceil(valid / B) pages (valid <= Q * B)
 //          pos    s32   (M, T): each token's position
 // Output:  out    f32   (N, M * T, C)
 // A tile's rows give the bits the single-view call gives for the same queries over the same rows.
@@ -335,7 +335,7 @@ void run(ffi::ThreadPool& threads, Problem& p, int64_t valid) {
 #endif
 
 ffi::Error check_widths(int64_t A, int64_t C) {
-  if (A % 32 || A > 1024 || C % 32 || C > A || C > 1024)
+  if (A % 32 || A > 1024 || C % 32 || C > A || C > 1024)  // 1024: kMaxC
     return ffi::Error::InvalidArgument("mla_prefill_attention: A and C multiples of 32, C <= A <= 1024");
   return ffi::Error::Success();
 }
@@ -377,7 +377,7 @@ ffi::Error MlaPrefillPagedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer 
   if (pd[2] != A || sd[0] != M || M * T != R || od[0] != N || od[1] != R || od[2] != C)
     return ffi::Error::InvalidArgument("mla_prefill_paged_attention: mismatched shapes");
   if (auto bad = check_widths(A, C); bad.failure()) return bad;
-  if (B % kStep || valid < 0 || valid > Q * B)
+  if (B <= 0 || B % kStep || valid < 0 || valid > Q * B)
     return ffi::Error::InvalidArgument("mla_prefill_paged_attention: pages of a multiple of 64 rows, valid <= Q * B");
   const int32_t* table = tables.typed_data();
   for (int64_t i = 0; i < M * Q; ++i)  // a page outside the pool is refused, never read
