@@ -244,7 +244,7 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     sequence and reads that sequence's pages), then the feed-forward over all R rows at once: (R, D). `form`
     "pages": absorbed, by the CPU's prefill kernel, every tile in one call reading the pages in place
     (MLAttention.attend_pages); "absorbed" or "expanded": the dense runner's attention, batched over M, each
-    tile's pages gathered into a (view, A) view. A pass in the pages form measured 1.04-1.63x faster on `mini`
+    tile's pages gathered into a (view, A) view. A pass in the pages form measured 1.10-1.61x faster on `mini`
     (BENCHMARKS.md, prefill passes)."""
     attn = layer.attn
     if form == "pages":
@@ -420,8 +420,7 @@ class PagedRunner:
     def batchable(self, n: int, end: int) -> bool:
         """Whether a segment of n tokens ending at `end` goes in a `prefill_segments` pass: a short one (alone,
         its padded chunk would be mostly padding, and its pass's fixed cost would be paid for a few rows) whose
-        view is short enough to be read (or gathered) once per tile: the kernel lays a tile's view out again
-        for each tile. A longer one went faster alone when passes gathered views (`prefill`: measured in
+        view is short enough to be read (or gathered) for each sequence in the pass. A longer one went faster alone when passes gathered views (`prefill`: measured in
         BENCHMARKS.md, prefill passes; reading pages in place, about as fast either way)."""
         return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
 

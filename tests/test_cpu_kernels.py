@@ -341,14 +341,15 @@ def paged_prefill_attention(q, pool, tables, pos, scale, view, C):
 @pytest.mark.parametrize("page, T", [(64, 64), (128, 37)])  # 37: tiles of query rows that are not whole 16s
 def test_paged_prefill_attention_gives_each_tile_the_bits_of_its_gathered_view(page, T):
     """Tiles of several sequences in one call, each over its own pages read in place (shared pages too, as a
-    prefix kept hot), give each tile what the single-view call gives it over its pages gathered; the result
-    also stays within tolerance of a float64 reference."""
+    prefix kept hot; two tiles of one sequence, laid out once), give each tile what the single-view call gives
+    it over its pages gathered; the result also stays within tolerance of a float64 reference."""
     rng = np.random.default_rng(page)
     N, A, C, P, Q = 8, 576, 512, 24, 4
     pool_kv, pool = latents(rng, P * page, A)
     pool, pool_kv = pool.reshape(P, page, A), pool_kv.reshape(P, page, A)
     tables = np.stack([rng.choice(np.arange(1, P), Q, replace=False) for _ in range(4)]).astype(np.int32)
     tables[3, :2] = tables[0, :2]  # a prefix two sequences share
+    tables[2] = tables[1]  # one sequence's segment of two tiles
     view = Q * page - 40  # rows past it are never read, whatever the positions
     pos = np.stack([s + np.arange(T) for s in (0, 100, view - T, view - 10)]).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((N, 4 * T, A)) * 0.2, jnp.bfloat16)

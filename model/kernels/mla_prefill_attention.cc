@@ -31,7 +31,8 @@
 //                       first ceil(valid / B) pages (valid <= Q * B)
 //          pos    s32   (M, T): each token's position
 // Output:  out    f32   (N, M * T, C)
-// A tile's rows give the bits the single-view call gives for the same queries over the same rows.
+// A tile's rows give the bits the single-view call gives for the same queries over the same rows. Consecutive
+// tiles with the same table are laid out once together (a segment of several tiles).
 //
 // A query row's result depends on its own query, its position and the view alone, summed in a fixed
 // order (blocks of 64 view rows from row 0): whatever else shares the call, its bits are the same.
@@ -383,9 +384,13 @@ ffi::Error MlaPrefillPagedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer 
   for (int64_t i = 0; i < M * Q; ++i)  // a page outside the pool is refused, never read
     if (i % Q < (valid + B - 1) / B && (table[i] < 0 || table[i] >= P))
       return ffi::Error::InvalidArgument("mla_prefill_paged_attention: a table names a page outside the pool");
-  for (int64_t m = 0; m < M; ++m) {
+  // Consecutive tiles with the same table (a segment of several tiles) are one problem: their view is laid
+  // out once for all of them, and their rows are contiguous in q, pos and out.
+  for (int64_t m = 0, k = 1; m < M; m += k) {
+    for (k = 1; m + k < M && std::equal(table + m * Q, table + (m + 1) * Q, table + (m + k) * Q); ++k) {
+    }
     Problem p{};
-    p.N = N, p.T = T, p.A = A, p.C = C, p.scale = scale, p.stride = R, p.t0 = m * T;
+    p.N = N, p.T = k * T, p.A = A, p.C = C, p.scale = scale, p.stride = R, p.t0 = m * T;
     p.q = static_cast<const uint16_t*>(q.untyped_data()), p.view = pool.typed_data(), p.table = table + m * Q;
     p.page = B, p.pos = pos.typed_data() + m * T, p.out = out->typed_data();
     run(threads, p, valid);
