@@ -497,7 +497,8 @@ class PagedRunner:
                     else self.dense.attention == "absorbed")
         key_block = self.dense.key_block
         in_place = absorbed and self.prefill_reads_pages and n > 1  # the kernel reads the pages: no view gathered
-        tables_1Q, positions_1T = table[None], [p[None] for p in positions]
+        if in_place:  # one tile per chunk
+            tables_1Q, positions_1T = table[None], [p[None] for p in positions]
         for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
