@@ -94,9 +94,9 @@ def test_stale_rows_past_a_length_never_reach_the_result(path, poison):
     """Rows of a sequence's last page past its length hold whatever an earlier owner left (here NaN or inf):
     masked out of the scores and zeroed out of the values, they change nothing."""
     rng = np.random.default_rng(5)
-    pool, bits, q, tables, lengths, fresh = make(rng, 5, 8, 576, 512, 64, 40, 4, jnp.bfloat16)
-    tables = np.arange(1, 21, dtype=np.int32).reshape(5, 4)  # each sequence its own pages
-    lengths = np.array([0, 1, 63, 100, 255], np.int32)
+    pool, bits, q, tables, lengths, fresh = make(rng, 6, 8, 576, 512, 64, 40, 4, jnp.bfloat16)
+    tables = np.arange(1, 25, dtype=np.int32).reshape(6, 4)  # each sequence its own pages
+    lengths = np.array([0, 1, 48, 63, 100, 255], np.int32)  # 48: a last page of whole 16-row blocks
     clean = call(q, bits, tables, lengths, fresh, 0.07, 512, path)
     dirty = np.asarray(bits).copy()
     stale = np.asarray(jnp.asarray(poison, jnp.bfloat16)[None].view(jnp.uint16))[0]

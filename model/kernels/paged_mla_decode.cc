@@ -7,7 +7,8 @@
 // in place and used for both products: scores against the whole 576-wide latent ([c_kv | k_pe]) and values
 // from its first C columns (FlashMLA's layout). Two paths, by what the CPU has and the widths allow:
 // - AMX (a bfloat16 pool, pages of whole 32-row steps, widths in whole 32s): scores as tile products of the
-//   page's rows as they lie, 16 heads to a tile; the values' rows interleaved in pairs once per page. It
+//   page's rows as they lie, 16 heads to a tile; values as tile products of the same rows as they lie, each
+//   head's weights given twice (for its even and its odd value columns), 8 heads to a tile. It
 //   rounds the queries to bfloat16 and the softmax weights before the values product, as XLA's path over
 //   gathered views does with a bfloat16 attention dtype (and FlashMLA): the runner names the float32 path
 //   where its attention dtype is float32 (float32 serving).
@@ -212,22 +213,27 @@ inline uint16_t to_bf16(float x) {  // round to nearest even (finite x)
 
 
 #ifdef DEEPINFER_DECODE_AMX
-// The AMX path (pages of whole 32-row steps, 16 heads to a tile): scores transposed, S^T = K Q^T, so the page's
-// rows are the A operand as they lie in the pool (16 rows of 32 latent columns per tile load) and only the
-// queries are re-laid, once per piece; the softmax runs lane-wise (a tile row holds one key's 16 heads). Values
-// out = P V: the weights transposed to (heads x keys) bfloat16 tiles, the page's value rows interleaved in pairs
-// (the B operand's layout) once per page; the accumulators lie tile by tile, (C / 16) tiles of 16 heads x 16.
+// The AMX path (pages of whole 32-row steps, 16 heads to a tile): both products read the page's rows as they
+// lie in the pool, with no per-page copy. Scores transposed, S^T = K Q^T: the page's rows are the A operand (16
+// rows of 32 latent columns per tile load) and only the queries are re-laid, once per piece; the softmax runs
+// lane-wise (a tile row holds one key's 16 heads). Values out = P V: the page's rows are the B operand as they
+// lie (16 keys of 32 value columns, each 32-bit word a column pair), so a product sums a column pair. Each head's
+// weights go into the A operand twice, in two rows: once beside zeros in the pairs' first halves (that row of the
+// product is the head's even columns) and once in their second halves (its odd columns). An A tile holds 8 heads
+// that way, so a group of up to 8 heads (`mini`'s) takes as many value products as with the page re-laid into
+// pairs of rows, and a group of 16 twice as many. The re-layout took ~45% of the call (perf, 16 sequences x 512).
 constexpr int64_t kHeads = 16;  // heads per tile (a query tile's columns; heads past N are zero)
 
 struct Tiles {  // one thread's buffers, for every piece it takes in one call
   std::vector<uint32_t> q;       // (A / 32, 16 dim pairs, 16 heads): the B operand of the scores, per head group
   std::vector<float> st;         // (T, 16): one page's scores, rows x heads
-  std::vector<uint16_t> pt;      // (T / 32, 16 heads, 32 rows): the weights, the A operand of the values
-  std::vector<uint16_t> v;       // (C / 16, T / 32, 16 row pairs, 32): the page's values, the B operand
+  std::vector<uint16_t> w;       // (T / 16, 2 halves, 16, 32): the weights, A operand of the values (see weigh)
+  std::vector<uint16_t> tail;    // (16, C): a last block of fewer than 16 rows, zeros past them
   std::vector<float> acc;        // (groups, C / 16, 16 heads, 16): each column tile's 1 KB in one piece
   std::vector<float> top, total;  // (groups x 16)
   Tiles(const Problem& p, int64_t groups)
-      : q(groups * (p.A / 32) * 256), st(p.T * kHeads), pt(p.T * kHeads), v(p.T * p.C), acc(groups * kHeads * p.C),
+      : q(groups * (p.A / 32) * 256), st(p.T * kHeads), w(4 * p.T * kHeads),
+        tail(16 * p.C), acc(groups * kHeads * p.C),
         top(groups * kHeads), total(groups * kHeads) {}
 };
 
@@ -263,8 +269,10 @@ void scores_amx(const Problem& p, const uint16_t* K, int64_t rows, int64_t g, Ti
   }
 }
 
-// The online-softmax update of group g from t.st (lane-wise over heads); the weights go to t.pt as bfloat16
-// (heads x rows, zero past `rows`, up to the next 32).
+// The online-softmax update of group g from t.st (lane-wise over heads); the weights go to t.w as bfloat16
+// (zero past `rows`, up to the next 16): A tile (r / 16, h / 8) holds head h's weight of key r at row h % 8, word
+// r % 16, first half (its even columns), and at row 8 + h % 8, second half (its odd columns); the other halves
+// stay zero.
 void soften_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
   const __m512 scale = _mm512_set1_ps(p.scale);
   __m512 m = _mm512_loadu_ps(t.top.data() + g * kHeads);
@@ -273,62 +281,76 @@ void soften_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
   // ~1e-38 for the first page (old = -inf; exp_nonpositive clamps at -87): acc and total are still 0 then
   const F16 keep = exp_nonpositive((F16)_mm512_sub_ps(old, m));
   F16 add{};
-  const int64_t padded = (rows + 31) / 32 * 32;
+  const int64_t padded = (rows + 15) / 16 * 16;
   alignas(64) uint16_t e16[16];
   for (int64_t r = 0; r < padded; ++r) {
     F16 e{};
     if (r < rows) e = exp_nonpositive((F16)_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(t.st.data() + r * 16), scale), m));
     add += e;
     _mm256_store_si256(reinterpret_cast<__m256i*>(e16), (__m256i)_mm512_cvtneps_pbh((__m512)e));
-    uint16_t* pt = t.pt.data() + (r / 32) * kHeads * 32 + r % 32;  // tile (r / 32), row h, column r % 32
-    for (int h = 0; h < kHeads; ++h) pt[h * 32] = e16[h];
+    uint16_t* w = t.w.data() + (r / 16) * 2 * 512 + 2 * (r % 16);
+    for (int h = 0; h < kHeads; ++h) {
+      uint16_t* a = w + (h / 8) * 512 + (h % 8) * 32;
+      a[0] = a[8 * 32 + 1] = e16[h];
+    }
   }
   float* total = t.total.data() + g * kHeads;
   _mm512_storeu_ps(total, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(total), (__m512)keep), (__m512)add));
   _mm512_storeu_ps(t.top.data() + g * kHeads, m);
   alignas(64) float kept[16];
   _mm512_store_ps(kept, (__m512)keep);
-  for (int h = 0; h < kHeads; ++h) {
+  for (int h = 0; h < kHeads; ++h) {  // head h's rows of its accumulator tiles (values_amx)
     if (kept[h] == 1.f) continue;
-    float* a = t.acc.data() + g * kHeads * p.C + h * 16;
     const __m512 k = _mm512_set1_ps(kept[h]);
-    for (int64_t c = 0; c < p.C; c += 16) _mm512_storeu_ps(a + c * 16, _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), k));
+    for (int64_t j = 0; j < p.C / 32; ++j)
+      for (int e = 0; e < 2; ++e) {
+        float* a = t.acc.data() + g * kHeads * p.C + (2 * j + h / 8) * 256 + (8 * e + h % 8) * 16;
+        _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), k));
+      }
   }
 }
 
-// The page's value rows [0, rows) as B tiles: tile (c / 16, r / 32) row e holds columns c .. c + 16 of rows
-// 2e, 2e + 1 interleaved (zeros past `rows`, so a stale row never meets a zero weight as 0 x inf).
-void lay_values(const Problem& p, const uint16_t* K, int64_t rows, Tiles& t) {
-  const int64_t pairs = (rows + 31) / 32 * 16, stride = (p.T / 32) * 512;  // words per column tile
-  for (int64_t c = 0; c < p.C; c += 32) {  // column tiles outer: each written in order (pairs inner wrote 4 KB apart)
-    uint16_t* lo = t.v.data() + (c / 16) * stride;
-    uint16_t* hi = lo + stride;
-    for (int64_t e = 0; e < pairs; ++e) {
-      const int64_t r = 2 * e;
-      const __m512i x0 = r < rows ? _mm512_loadu_si512(K + r * p.A + c) : _mm512_setzero_si512();
-      const __m512i x1 = r + 1 < rows ? _mm512_loadu_si512(K + (r + 1) * p.A + c) : _mm512_setzero_si512();
-      __m512i pair_lo, pair_hi;
-      deepinfer::pair_rows(x0, x1, pair_lo, pair_hi);
-      _mm512_storeu_si512(lo + e * 32, pair_lo);  // tile e / 16, row e % 16
-      _mm512_storeu_si512(hi + e * 32, pair_hi);
-    }
+// Group g's accumulators += its weights (t.w) x the page's values. Accumulator tile 2j + k holds value columns
+// 32j .. 32j + 32 of heads 8k .. 8k + 8: row h % 8 column i is head h's column 32j + 2i, row 8 + h % 8 its column
+// 32j + 2i + 1. `halves` is 1 for a group of up to 8 heads (tiles 2j + 1 unused), else 2. A last block of fewer
+// than 16 rows is copied to t.tail with zero rows after it, so a stale pool row never meets a zero weight as
+// 0 x inf.
+void values_amx(const Problem& p, const uint16_t* K, int64_t rows, int64_t g, int64_t halves, Tiles& t) {
+  const int64_t ksteps = (rows + 15) / 16, blocks = p.C / 32, per = halves == 2 ? 2 : 4;  // blocks per pass
+  if (rows % 16) {
+    const int64_t first = rows / 16 * 16;
+    std::fill(t.tail.begin(), t.tail.end(), uint16_t{0});
+    for (int64_t r = first; r < rows; ++r) std::memcpy(&t.tail[(r - first) * p.C], K + r * p.A, p.C * 2);
   }
-}
-
-// Group g's accumulators += its weights (t.pt) x the page's values (t.v), four column tiles at a time.
-void values_amx(const Problem& p, int64_t rows, int64_t g, Tiles& t) {
-  const int64_t ksteps = (rows + 31) / 32, ctiles = p.C / 16, stride = (p.T / 32) * 512;
   float* acc = t.acc.data() + g * kHeads * p.C;
-  for (int64_t c0 = 0; c0 < ctiles; c0 += 4) {
-    const int64_t n = std::min<int64_t>(4, ctiles - c0);
-#define DEEPINFER_ACC(i, op) if (n > i) op(i, acc + (c0 + i) * 256, 64);
+  for (int64_t j0 = 0; j0 < blocks; j0 += per) {
+    const int64_t n = std::min(per, blocks - j0) * halves;  // accumulators: i -> tile 2 (j0 + i / halves) + i % halves
+    auto tile = [&](int64_t i) { return acc + (2 * (j0 + i / halves) + i % halves) * 256; };
+#define DEEPINFER_ACC(i, op) if (n > i) op(i, tile(i), 64);
     DEEPINFER_ACC(0, _tile_loadd) DEEPINFER_ACC(1, _tile_loadd) DEEPINFER_ACC(2, _tile_loadd) DEEPINFER_ACC(3, _tile_loadd)
     for (int64_t ks = 0; ks < ksteps; ++ks) {
-      _tile_loadd(4, t.pt.data() + ks * kHeads * 32, 64);
-#define DEEPINFER_VALUE(i) \
-  if (n > i) { _tile_loadd(5, t.v.data() + (c0 + i) * stride + ks * 512, 64); _tile_dpbf16ps(i, 4, 5); }
-      DEEPINFER_VALUE(0) DEEPINFER_VALUE(1) DEEPINFER_VALUE(2) DEEPINFER_VALUE(3)
-#undef DEEPINFER_VALUE
+      const bool partial = ks * 16 + 16 > rows;
+      const uint16_t* v = partial ? t.tail.data() + j0 * 32 : K + ks * 16 * p.A + j0 * 32;
+      const int64_t stride = (partial ? p.C : p.A) * 2;
+      const uint16_t* w = t.w.data() + ks * 2 * 512;
+      _tile_loadd(4, w, 64);
+      if (halves == 2) {  // blocks j0, j0 + 1; heads 0-7 and 8-15
+        _tile_loadd(5, w + 512, 64);
+        _tile_loadd(6, v, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (n > 2) {
+          _tile_loadd(7, v + 32, stride);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      } else {  // blocks j0 .. j0 + 3
+        _tile_loadd(6, v, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (n > 1) { _tile_loadd(7, v + 32, stride); _tile_dpbf16ps(1, 4, 7); }
+        if (n > 2) { _tile_loadd(5, v + 64, stride); _tile_dpbf16ps(2, 4, 5); }
+        if (n > 3) { _tile_loadd(6, v + 96, stride); _tile_dpbf16ps(3, 4, 6); }
+      }
     }
     DEEPINFER_ACC(0, _tile_stored) DEEPINFER_ACC(1, _tile_stored) DEEPINFER_ACC(2, _tile_stored) DEEPINFER_ACC(3, _tile_stored)
 #undef DEEPINFER_ACC
@@ -399,17 +421,19 @@ void piece(const Problem& p, int64_t b, int64_t first, int64_t last, Scratch& w,
     for (int64_t start = first; start < last; start += p.T) {
       const uint16_t* K = pool + p.tables[b * p.Q + start / p.T] * p.T * p.A;
       const int64_t rows = std::min(p.T, last - start);
-      lay_values(p, K, rows, t);
       for (int64_t g = 0; g < groups; ++g) {
         scores_amx(p, K, rows, g, t);
         soften_amx(p, rows, g, t);
-        values_amx(p, rows, g, t);
+        values_amx(p, K, rows, g, std::min<int64_t>(kHeads, p.N - g * kHeads) > 8 ? 2 : 1, t);
       }
     }
     for (int64_t n = 0; n < p.N; ++n) {  // heads past N are dropped
       state.top[n] = t.top[n], state.total[n] = t.total[n];
-      const float* a = t.acc.data() + (n / kHeads) * kHeads * p.C + (n % kHeads) * 16;
-      for (int64_t c = 0; c < p.C; c += 16) std::copy(a + c * 16, a + c * 16 + 16, state.acc + n * p.C + c);
+      const int64_t h = n % kHeads;  // its rows of its group's accumulator tiles (values_amx)
+      const float* a = t.acc.data() + (n / kHeads) * kHeads * p.C + (h / 8) * 256 + (h % 8) * 16;
+      float* out = state.acc + n * p.C;
+      for (int64_t j = 0; j < p.C / 32; ++j)
+        for (int64_t i = 0; i < 16; ++i) out[32 * j + 2 * i] = a[2 * j * 256 + i], out[32 * j + 2 * i + 1] = a[2 * j * 256 + 128 + i];
     }
     return;
   }
