@@ -157,9 +157,11 @@ def few_rows_supported(rows: int, in_dim: int) -> bool:
 def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
     """x_MI (1 to few_rows_max() rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI: x rounded to bfloat16,
     products summed in float32; (M, O) float32. Each weight is read once for all rows
-    (kernels/few_row_product.cc)."""
-    (M, _), (O, _) = x_MI.shape, w_OI.shape
-    return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((M, O), jnp.float32),
+    (kernels/few_row_product.cc). With a leading batch, x (N, M, I) and w (N, O, I): N such products in one
+    call, (N, M, O)."""
+    *lead, M, _ = x_MI.shape
+    O = w_OI.shape[-2]
+    return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((*lead, M, O), jnp.float32),
                             vmap_method="sequential")(x_MI.astype(jnp.float32), w_OI)
 
 

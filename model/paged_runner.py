@@ -139,9 +139,21 @@ def _gather_view(pool_PBA, table_Q):
     return _bits_view(pool_PBA, table_Q)
 
 
-def _decode_queries(absorb: "Absorb", q_nope_NBH, q_pe_NBR, dtype) -> jax.Array:
+def _per_head(x_NBI, w_NOI, few_rows: bool) -> jax.Array:
+    """x_NBI @ w_NOI^T per head, (N, B, O) float32: B rows through each head's (O, I) weights. With `few_rows`
+    (bfloat16 weights), by the CPU's few-row kernel, all heads in one call where the rows allow (x rounded to
+    bfloat16, as the prefill path's products take it; else the same rounding before XLA's float32 product)."""
+    if not few_rows:
+        return jnp.einsum("nbi,noi->nbo", x_NBI.astype(jnp.float32), w_NOI)
+    if cpu_kernels.few_rows_supported(x_NBI.shape[1], x_NBI.shape[2]):
+        return cpu_kernels.few_row_product(x_NBI, w_NOI)
+    x_NBI = x_NBI.astype(w_NOI.dtype).astype(jnp.float32)
+    return jnp.einsum("nbi,noi->nbo", x_NBI, w_NOI.astype(jnp.float32))
+
+
+def _decode_queries(absorb: "Absorb", q_nope_NBH, q_pe_NBR, dtype, few_rows: bool) -> jax.Array:
     """Absorbed queries (B, N, A) = [q_nope @ W_UK | q_pe] at `dtype`: one per sequence, against whole latents."""
-    q_lat_BNC = jnp.einsum("nbh,nhc->nbc", q_nope_NBH.astype(jnp.float32), absorb.w_uk_NHC).transpose(1, 0, 2)
+    q_lat_BNC = _per_head(q_nope_NBH, absorb.w_uk_NCH, few_rows).transpose(1, 0, 2)
     return jnp.concatenate([q_lat_BNC, q_pe_NBR.transpose(1, 0, 2)], axis=-1).astype(dtype)
 
 
@@ -176,17 +188,24 @@ def _attend_pages(attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, dty
                                         attn.scale, attn.kv_lora_rank, path)
 
 
-def _attend_out(attn, absorb: "Absorb", out_BNC) -> jax.Array:
+def _attend_out(attn, absorb: "Absorb", out_BNC, few_rows: bool) -> jax.Array:
     """The weighted latents through W_UV and the output projection: (B, D)."""
     B = out_BNC.shape[0]
-    out_NBV = jnp.einsum("nbc,ncv->nbv", out_BNC.transpose(1, 0, 2), absorb.w_uv_NCV)
+    out_NBV = _per_head(out_BNC.transpose(1, 0, 2), absorb.w_uv_NVC, few_rows)
     return attn.o_proj(out_NBV.transpose(1, 0, 2).reshape(B, -1))
 
 
 class Absorb(NamedTuple):
-    """A layer's absorbed-attention weights laid out head-major for decode: w_uk (N, H, C), w_uv (N, C, V)."""
-    w_uk_NHC: jax.Array
-    w_uv_NCV: jax.Array
+    """A layer's absorbed-attention weights laid out per head as (out, in) for decode's few rows: w_uk (N, C, H),
+    w_uv (N, V, C); bfloat16 for the few-row kernel, else float32 (XLA:CPU's float32 products of a few rows beat
+    its bfloat16 ones: decode_bench)."""
+    w_uk_NCH: jax.Array
+    w_uv_NVC: jax.Array
+
+    @staticmethod
+    def of(attn, few_rows: bool) -> "Absorb":
+        dtype = jnp.bfloat16 if few_rows else jnp.float32
+        return Absorb(attn.w_uk[...].transpose(1, 0, 2).astype(dtype), attn.w_uv[...].transpose(1, 2, 0).astype(dtype))
 
 
 @lru_cache(maxsize=8)
@@ -196,19 +215,20 @@ def _decode_step(layer_defs: tuple, head_def, weights_def):
     were hashed on every call, and the weights' nnx States flattened: 2.3 ms of Python before each dispatch
     (16 sequences, mini), every step. Cached by the definitions, so runners of one model share compiles."""
 
-    def step(weights, pools, tokens_B, positions_B, tables_BQ, attention_dtype, kernel):
+    def step(weights, pools, tokens_B, positions_B, tables_BQ, attention_dtype, kernel, few_rows):
         embed_VD, layer_states, absorbs, head_state = jax.tree.unflatten(weights_def, weights)
         return _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_state, pools, tokens_B,
-                             positions_B, tables_BQ, attention_dtype, kernel)
+                             positions_B, tables_BQ, attention_dtype, kernel, few_rows)
 
-    return jax.jit(step, static_argnums=(5, 6))
+    return jax.jit(step, static_argnums=(5, 6, 7))
 
 
 def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_state, pools, tokens_B, positions_B,
-                  tables_BQ, attention_dtype, kernel):
+                  tables_BQ, attention_dtype, kernel, few_rows):
     """One decode token for each of B sequences through every layer: (logits (B, V) float32, the tokens'
     latents (L, B, A)). Attention reads the pages in place with the CPU kernel's path `kernel` ("auto", ...), or
-    with None from a gathered view. The pools are only read here; `_write_latents` stores the new latents after: a
+    with None from a gathered view; `few_rows`: the absorbed products per head by the few-row kernel (Absorb).
+    The pools are only read here; `_write_latents` stores the new latents after: a
     scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool."""
     x_BD = jnp.take(embed_VD, tokens_B, axis=0)
     B, Q = tables_BQ.shape
@@ -218,7 +238,7 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_st
         h_BD = layer.input_norm(x_BD)
         q_nope_NBH, q_pe_NBR = layer.attn.queries(h_BD, positions_B)
         latents_BA = layer.attn.latents(h_BD, positions_B)
-        q_BNA = _decode_queries(absorb, q_nope_NBH, q_pe_NBR, attention_dtype)
+        q_BNA = _decode_queries(absorb, q_nope_NBH, q_pe_NBR, attention_dtype, few_rows)
         if kernel is not None:
             out_BNC = _attend_pages(layer.attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA, attention_dtype,
                                     kernel)
@@ -227,7 +247,7 @@ def _decode_batch(layer_defs, head_def, embed_VD, layer_states, absorbs, head_st
             # The view as its own copy: fused into the two attention products, the gather ran inside each.
             kv_BSA = jax.lax.optimization_barrier(kv_BSA)
             out_BNC = _attend_view(layer.attn, q_BNA, positions_B, kv_BSA, latents_BA, attention_dtype)
-        x_BD = x_BD + _attend_out(layer.attn, absorb, out_BNC)
+        x_BD = x_BD + _attend_out(layer.attn, absorb, out_BNC, few_rows)
         x_BD = x_BD + layer.mlp(layer.post_attn_norm(x_BD))
         latents.append(latents_BA)
     head = nnx.merge(head_def, head_state)
@@ -343,11 +363,10 @@ class PagedRunner:
         self._kernel_view = min(pool.num_pages - 1, -(-cfg.max_position_embeddings // self.page)) * self.page
         self._layer_defs = tuple(graphdef for graphdef, _ in self.dense.layers)
         self._layer_states = [state for _, state in self.dense.layers]
-        # Decode's absorbed weights, laid out head-major once, in float32: these products have a few
-        # rows per head, where XLA:CPU's float32 kernels beat its bfloat16 ones (decode_bench).
-        self._absorbs = [Absorb(layer.attn.w_uk[...].transpose(1, 2, 0).astype(jnp.float32),
-                                layer.attn.w_uv[...].transpose(1, 0, 2).astype(jnp.float32))
-                         for layer in model.layers]
+        # Decode's absorbed weights, laid out per head once: by the few-row kernel where the served model's
+        # projections take it (bfloat16 on a CPU with our kernels), else XLA's float32 products.
+        self._absorb_few_rows = bool(getattr(model.layers[0].attn.o_proj, "few_rows", False))
+        self._absorbs = [Absorb.of(layer.attn, self._absorb_few_rows) for layer in model.layers]
         head_def, head_state = self.dense.head
         self._decode_weights, weights_def = jax.tree.flatten((self.dense.embed_VD, self._layer_states, self._absorbs,
                                                               head_state))
@@ -413,7 +432,8 @@ class PagedRunner:
             tables[i] = self._table(r.pages, view)
         logits, latents = self._decode_step(self._decode_weights, self.pool.layers, tokens, positions, tables,
                                             self.decode_attention_dtype,
-                                            self.decode_kernel_path if self.decode_kernel else None)
+                                            self.decode_kernel_path if self.decode_kernel else None,
+                                            self._absorb_few_rows)
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return logits
 

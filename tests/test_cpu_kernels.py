@@ -207,6 +207,26 @@ def test_a_row_gets_the_same_bits_whatever_other_rows_share_its_product():
         np.testing.assert_allclose(few_rows(x[m:m + 1], w)[0], together[m], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("N, M, O, I", [(8, 1, 512, 128), (8, 16, 128, 512), (3, 5, 100, 64), (2, 32, 64, 96)])
+def test_a_batch_of_few_row_products_is_each_product_alone(N, M, O, I):
+    """x (N, M, I) and w (N, O, I), as decode's absorbed attention calls it per head: each batch's bits are its
+    own product's alone (O not a multiple of the blocks: 100 with AMX's 32-row blocks)."""
+    if M > cpu_kernels.few_rows_max():
+        pytest.skip(f"{M} rows take AMX, which this CPU lacks")
+    rng = np.random.default_rng(N * M * O)
+    x = rng.standard_normal((N, M, I)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((N, O, I)), jnp.bfloat16)
+    got = few_rows(x, w)
+    assert got.shape == (N, M, O) and got.dtype == np.float32
+    for n in range(N):
+        assert np.array_equal(got[n], few_rows(x[n], w[n])), f"batch {n}"
+    want = np.einsum("nmi,noi->nmo", np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64),
+                     np.asarray(w, np.float64))
+    np.testing.assert_allclose(got, want, atol=1e-6 * np.sqrt(I) * np.abs(want).max(), rtol=0)
+    with pytest.raises(Exception, match="mismatched shapes"):
+        few_rows(x, w[:-1])
+
+
 def test_few_row_product_refuses_what_it_cannot_compute():
     too_many = cpu_kernels.few_rows_max() + 1
     for x, w, why in [

@@ -460,6 +460,28 @@ async def test_an_answer_that_outgrows_the_pool_is_cut_with_length_not_refused(t
         run.check_pages()
 
 
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_decodes_absorbed_products_per_head_take_the_few_row_kernel_where_the_rows_allow(rows):
+    """W_UK and W_UV per head (mini's widths), as a decode step calls them: by the few-row kernel up to its rows
+    (32 with AMX), past them by XLA with the same rounding of the rows to bfloat16; both the float64 product of
+    the rounded rows within float32 summation. Without the kernel, XLA's float32 product of the rows as given."""
+    import jax.numpy as jnp
+    from model import cpu_kernels
+    from model.paged_runner import _per_head
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((8, rows, 128)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((8, 512, 128)), jnp.bfloat16)
+    rounded = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+    want = np.einsum("nbi,noi->nbo", rounded, np.asarray(w, np.float64))
+    if cpu_kernels.available("cpu")[0]:
+        got = np.asarray(_per_head(jnp.asarray(x), w, True))
+        np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    exact = np.einsum("nbi,noi->nbo", x.astype(np.float64), np.asarray(w, np.float64))
+    got = np.asarray(_per_head(jnp.asarray(x), w.astype(jnp.float32), False))
+    np.testing.assert_allclose(got, exact, atol=1e-5 * np.abs(exact).max(), rtol=0)
+    assert not np.allclose(exact, want, atol=1e-5 * np.abs(exact).max(), rtol=0)  # the rounding shows
+
+
 def test_mini_decode_is_batch_invariant_and_matches_the_dense_runner():
     """The mini preset's real widths (8 heads, 512 + 64 latent, 129K vocab), in-process: in batch-invariant
     mode a sequence's decode logits are bit-identical alone or among 15 others of different lengths; in

@@ -12,6 +12,8 @@
 // Inputs:  x   f32   (M, I): each row rounded to bfloat16 (to nearest even), as `x.astype(bfloat16)` does
 //          w   bf16  (O, I)
 // Output:  y   f32   (M, O): bfloat16 products summed in float32
+// Or each with a leading batch N (x (N, M, I), w (N, O, I), y (N, M, O)): N such products in one call, as
+// decode's absorbed attention takes per head (a few rows through W_UK and W_UV of each head).
 //
 // Each output is one weight row's dot product with one x row, summed in an order fixed by I and by the
 // path (one row, or AMX for 2-32 rows): within a path a row's result does not depend on the other rows or
@@ -188,54 +190,67 @@ int64_t max_rows() {
 ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                              ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("few_row_product: x (M, I), w (O, I), y (M, O)");
+  const size_t rank = xd.size();
+  if ((rank != 2 && rank != 3) || wd.size() != rank || yd.size() != rank)
+    return ffi::Error::InvalidArgument("few_row_product: x (M, I), w (O, I), y (M, O), or each with a leading batch N");
   if (w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("few_row_product: the weights must be bfloat16");
-  const int64_t M = xd[0], I = xd[1], O = wd[0];
-  if (wd[1] != I || yd[0] != M || yd[1] != O)
+  const int64_t N = rank == 3 ? xd[0] : 1, M = xd[rank - 2], I = xd[rank - 1], O = wd[rank - 2];
+  if (wd[rank - 1] != I || yd[rank - 2] != M || yd[rank - 1] != O || (rank == 3 && (wd[0] != N || yd[0] != N)))
     return ffi::Error::InvalidArgument("few_row_product: mismatched shapes");
   if (M < 1 || M > max_rows() || I % kStep)
     return ffi::Error::InvalidArgument("few_row_product: 1 to FewRowProductMaxRows() rows of a multiple of 32 columns");
 
-  std::vector<uint16_t> xb(M * I);
-  to_bf16(x.typed_data(), xb.data(), M * I);
+  std::vector<uint16_t> xb(N * M * I);
+  to_bf16(x.typed_data(), xb.data(), N * M * I);
   const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
   float* yp = y->typed_data();
-  auto dots = [&](int64_t o0, int64_t o1) {
+  // run(n, o0, o1): rows [o0, o1) of batch n's y
+  std::function<void(int64_t, int64_t, int64_t)> run = [&](int64_t n, int64_t o0, int64_t o1) {
+    const uint16_t* wn = wp + n * O * I;
+    const uint16_t* xn = xb.data() + n * M * I;
+    float* yn = yp + n * M * O;
     switch (M) {
-      case 1: return rows_block<1>(wp, xb.data(), yp, O, I, o0, o1);
-      case 2: return rows_block<2>(wp, xb.data(), yp, O, I, o0, o1);
-      case 3: return rows_block<3>(wp, xb.data(), yp, O, I, o0, o1);
-      default: return rows_block<4>(wp, xb.data(), yp, O, I, o0, o1);
+      case 1: return rows_block<1>(wn, xn, yn, O, I, o0, o1);
+      case 2: return rows_block<2>(wn, xn, yn, O, I, o0, o1);
+      case 3: return rows_block<3>(wn, xn, yn, O, I, o0, o1);
+      default: return rows_block<4>(wn, xn, yn, O, I, o0, o1);
     }
   };
   int64_t unit = kBlockRows;  // an item's rows are a multiple of this
-  std::function<void(int64_t, int64_t)> run = dots;
   bool tiles = false;
 #ifdef DEEPINFER_AMX
   std::vector<uint16_t> xv;
+  const int64_t padded = (M + 15) / 16 * 16 * I;  // one batch's x as laid out for the tiles
   if (M > 1 && deepinfer::amx_granted()) {
     tiles = true;  // AMX: x as bfloat16 pairs in groups of 16 rows, zero rows padding the last group
     unit = 32;
-    xv.assign((M + 15) / 16 * 16 * I, 0);
-    for (int64_t m = 0; m < M; ++m)  // a pair of bfloat16 moves as one 32-bit word
-      for (int64_t k = 0; k < I; k += 2)
-        std::memcpy(&xv[(m / 16) * 16 * I + k * 16 + (m % 16) * 2], &xb[m * I + k], 4);
-    run = [&](int64_t o0, int64_t o1) {
+    xv.assign(N * padded, 0);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t m = 0; m < M; ++m)  // a pair of bfloat16 moves as one 32-bit word
+        for (int64_t k = 0; k < I; k += 2)
+          std::memcpy(&xv[n * padded + (m / 16) * 16 * I + k * 16 + (m % 16) * 2], &xb[(n * M + m) * I + k], 4);
+    run = [&](int64_t n, int64_t o0, int64_t o1) {
+      const uint16_t* wn = wp + n * O * I;
+      float* yn = yp + n * M * O;
       const int64_t tiled = o0 + (o1 - o0) / 32 * 32;
-      amx_block(wp, xv.data(), yp, M, O, I, o0, tiled);
+      amx_block(wn, xv.data() + n * padded, yn, M, O, I, o0, tiled);
       for (int64_t m = 0; m < M; ++m)  // the last rows of W, fewer than a tile's: one x row at a time
-        rows_block<1>(wp, xb.data() + m * I, yp + m * O, O, I, tiled, o1);
+        rows_block<1>(wn, xb.data() + (n * M + m) * I, yn + m * O, O, I, tiled, o1);
     };
   }
 #endif
 
-  // Blocks of about kItemRows weight rows go to whichever thread is free next; the calling thread works too.
+  // Blocks of about kItemRows weight rows (of one batch) go to whichever thread is free next; the calling
+  // thread works too.
   const int64_t workers = std::max<int64_t>(threads.num_threads(), 1);
-  const int64_t item = std::max<int64_t>(unit, std::min<int64_t>(kItemRows, (O / workers + unit - 1) / unit * unit));
-  const int64_t items = (O + item - 1) / item;
-  deepinfer::parallel_for(threads, items, tiles, [&](int64_t i) { run(i * item, std::min(O, (i + 1) * item)); });
+  const int64_t item =
+      std::max<int64_t>(unit, std::min<int64_t>(kItemRows, (N * O / workers + unit - 1) / unit * unit));
+  const int64_t per_batch = (O + item - 1) / item;
+  deepinfer::parallel_for(threads, N * per_batch, tiles, [&](int64_t i) {
+    const int64_t n = i / per_batch, o0 = (i % per_batch) * item;
+    run(n, o0, std::min(O, o0 + item));
+  });
   return ffi::Error::Success();
 }
 
