@@ -87,8 +87,11 @@ def test_a_slow_link_to_the_kvstore_makes_the_engine_recompute_past_its_deadline
     content = prompt("slow", words)
     _, miss_text, _ = streamed(stack, content)
     wait_for_saves(stack)
-    _, hit_text, hit = streamed(stack, content)  # a fast hit (also compiles the hit path's shapes)
-    assert hit.prompt_cache_hit_tokens > 0 and hit_text == miss_text
+    _, _, hit = streamed(stack, content)  # a fast hit (also compiles the hit path's shapes)
+    # A hit sums in another order than a miss, so a near-tie may part their greedy answers: other tests compare
+    # a hit's answer with a miss's by their logprobs (fault_stack.same_answer). Here the recompute after the
+    # deadline is the miss's computation again, and must give its text exactly.
+    assert hit.prompt_cache_hit_tokens > 0
     wait_for_saves(stack)
     deadline_fallbacks = engines_metric(stack, 'deepinfer_engine_cache_fallbacks_total{reason="deadline"}')
     # Two cores shared with other work: timings are noisy, so compare the best of three interleaved pairs.
