@@ -207,10 +207,12 @@ def test_a_row_gets_the_same_bits_whatever_other_rows_share_its_product():
         np.testing.assert_allclose(few_rows(x[m:m + 1], w)[0], together[m], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("N, M, O, I", [(8, 1, 512, 128), (8, 16, 128, 512), (3, 5, 100, 64), (2, 32, 64, 96)])
+@pytest.mark.parametrize("N, M, O, I", [(8, 1, 512, 128), (8, 16, 128, 512), (3, 5, 100, 64), (2, 32, 64, 96),
+                                        (8, 32, 64, 1024), (16, 17, 40, 1024)])
 def test_a_batch_of_few_row_products_is_each_product_alone(N, M, O, I):
     """x (N, M, I) and w (N, O, I), as decode's absorbed attention calls it per head: each batch's bits are its
-    own product's alone (O not a multiple of the blocks: 100 with AMX's 32-row blocks)."""
+    own product's alone (O not a multiple of the blocks: 100 with AMX's 32-row blocks; the last two cases' x is
+    large enough to be prepared on every thread, the second with a last group of one row)."""
     if M > cpu_kernels.few_rows_max():
         pytest.skip(f"{M} rows take AMX, which this CPU lacks")
     rng = np.random.default_rng(N * M * O)

@@ -65,6 +65,38 @@ void parallel_for(xla::ffi::ThreadPool& threads, int64_t items, bool tiles, Body
 }
 
 #ifdef DEEPINFER_AMX
+// A 16 x 16 block of 32-bit words transposed: out[d * out_stride + s] = in[s * stride + d] for the first
+// out_rows rows d of the result (all 16 by default).
+inline void transpose16(const uint32_t* in, int64_t stride, uint32_t* out, int64_t out_stride = 16,
+                        int64_t out_rows = 16) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + i * stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4 g + k] now holds, in its 128-bit lane L, rows 4 g .. 4 g + 3 of column 4 L + k
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {  // result rows k, 4 + k, 8 + k, 12 + k
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+  for (int64_t d = 0; d < out_rows; ++d) _mm512_storeu_si512(out + d * out_stride, r[d]);
+}
+
 // Two rows of 32 bfloat16 words (x0, x1: columns c .. c + 32 of rows 2e and 2e + 1) as two rows of a B tile
 // (VNNI: each 32-bit word one column's pair): lo holds columns c .. c + 16, hi c + 16 .. c + 32.
 inline void pair_rows(__m512i x0, __m512i x1, __m512i& lo, __m512i& hi) {

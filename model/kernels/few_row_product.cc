@@ -7,7 +7,8 @@
 // (BENCHMARKS.md, few-row products). Here each weight row is read once for all M rows, the next block of
 // rows is prefetched while this one is multiplied, and blocks of outputs go to XLA's intra-op threads. One
 // row is AVX-512 BF16 dot products; 2-32 rows are AMX tile products (16 weight rows by 16 x rows, x laid out
-// in bfloat16 pairs, padded with zero rows), where the CPU and the kernel allow AMX (amx.h); float32 sums.
+// in bfloat16 pairs, padded with zero rows, by 16 x 16 transposes of 32-bit words; each result tile transposed
+// in registers into y's rows), where the CPU and the kernel allow AMX (amx.h); float32 sums.
 //
 // Inputs:  x   f32   (M, I): each row rounded to bfloat16 (to nearest even), as `x.astype(bfloat16)` does
 //          w   bf16  (O, I)
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -40,6 +42,8 @@ constexpr int64_t kMaxAmxRows = 32;  // two groups of 16 x rows per pass over a 
 constexpr int64_t kStep = 32;       // bfloat16 weights per vector step (one 64-byte line)
 constexpr int64_t kBlockRows = 4;   // weight rows multiplied together, their lines prefetched one block ahead
 constexpr int64_t kItemRows = 512;  // weight rows per work item handed to a thread
+constexpr int64_t kConvertRows = 64;  // x rows converted to bfloat16 per work item
+constexpr int64_t kSpreadWords = 1 << 18;  // x of this many words or more is prepared on every thread
 
 // n floats to bfloat16 bits, rounded to nearest even (NaN stays NaN), as XLA's convert does.
 void to_bf16(const float* x, uint16_t* out, int64_t n) {
@@ -127,6 +131,14 @@ void rows_block(const uint16_t* w, const uint16_t* xb, float* y, int64_t O, int6
 
 #ifdef DEEPINFER_AMX
 
+// A tile of results (16 weight rows x 16 x rows, float32) into y: rows of x group `group`, outputs from `first`,
+// transposed in registers (a store per x row, not 256 scalar stores).
+inline void store_tile(const float* tile, float* y, int64_t M, int64_t O, int64_t group, int64_t first) {
+  deepinfer::transpose16(reinterpret_cast<const uint32_t*>(tile), 16,
+                         reinterpret_cast<uint32_t*>(y + group * 16 * O + first), O,
+                         std::min<int64_t>(16, M - group * 16));
+}
+
 // Rows [o0, o1) of y, o1 - o0 a multiple of 32, for M x rows laid out as xv: groups of 16 rows, each
 // (I / 2, 16, 2) bfloat16 pairs, the last group padded with zero rows. Tiles 0-3 accumulate (16 weight rows
 // x 16 x rows), 4-5 hold 16 weight rows x 32 columns, 6-7 a group's 16 pairs x 16 rows.
@@ -135,8 +147,7 @@ void amx_block(const uint16_t* w, const uint16_t* xv, float* y, int64_t M, int64
   alignas(64) float tile[16 * 16];
   const int64_t groups = (M + 15) / 16;
   auto store = [&](int64_t group, int64_t first) {  // tile -> y rows of x group `group`, outputs from `first`
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t m = 0; m < 16 && group * 16 + m < M; ++m) y[(group * 16 + m) * O + first + r] = tile[r * 16 + m];
+    store_tile(tile, y, M, O, group, first);
   };
   for (int64_t o = o0; o < o1; o += 32) {
     const uint16_t* a0 = w + o * I;
@@ -201,14 +212,26 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   if (M < 1 || M > max_rows() || I % kStep)
     return ffi::Error::InvalidArgument("few_row_product: 1 to FewRowProductMaxRows() rows of a multiple of 32 columns");
 
-  std::vector<uint16_t> xb(N * M * I);
-  to_bf16(x.typed_data(), xb.data(), N * M * I);
+  // Preparing x (as bfloat16, and laid out for the tiles) is spread over the threads when it is large.
+  const bool spread = N * M * I >= kSpreadWords;
+  auto each = [&](int64_t items, auto&& body) {
+    if (spread)
+      deepinfer::parallel_for(threads, items, false, body);
+    else
+      for (int64_t i = 0; i < items; ++i) body(i);
+  };
+  std::unique_ptr<uint16_t[]> xb(new uint16_t[N * M * I]);
+  const int64_t all_rows = N * M;
+  each((all_rows + kConvertRows - 1) / kConvertRows, [&](int64_t i) {
+    const int64_t first = i * kConvertRows, rows = std::min(kConvertRows, all_rows - first);
+    to_bf16(x.typed_data() + first * I, xb.get() + first * I, rows * I);
+  });
   const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
   float* yp = y->typed_data();
   // run(n, o0, o1): rows [o0, o1) of batch n's y
   std::function<void(int64_t, int64_t, int64_t)> run = [&](int64_t n, int64_t o0, int64_t o1) {
     const uint16_t* wn = wp + n * O * I;
-    const uint16_t* xn = xb.data() + n * M * I;
+    const uint16_t* xn = xb.get() + n * M * I;
     float* yn = yp + n * M * O;
     switch (M) {
       case 1: return rows_block<1>(wn, xn, yn, O, I, o0, o1);
@@ -220,23 +243,33 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   int64_t unit = kBlockRows;  // an item's rows are a multiple of this
   bool tiles = false;
 #ifdef DEEPINFER_AMX
-  std::vector<uint16_t> xv;
-  const int64_t padded = (M + 15) / 16 * 16 * I;  // one batch's x as laid out for the tiles
+  std::unique_ptr<uint16_t[]> xv;
+  const int64_t groups = (M + 15) / 16, padded = groups * 16 * I;  // one batch's x as laid out for the tiles
   if (M > 1 && deepinfer::amx_granted()) {
     tiles = true;  // AMX: x as bfloat16 pairs in groups of 16 rows, zero rows padding the last group
     unit = 32;
-    xv.assign(N * padded, 0);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t m = 0; m < M; ++m)  // a pair of bfloat16 moves as one 32-bit word
-        for (int64_t k = 0; k < I; k += 2)
-          std::memcpy(&xv[n * padded + (m / 16) * 16 * I + k * 16 + (m % 16) * 2], &xb[(n * M + m) * I + k], 4);
+    xv.reset(new uint16_t[N * padded]);
+    each(N * groups, [&](int64_t i) {  // one group of 16 rows each
+      const int64_t n = i / groups, g = i % groups, rows = std::min<int64_t>(16, M - g * 16);
+      const uint16_t* src = xb.get() + (n * M + g * 16) * I;
+      std::vector<uint16_t> last;
+      if (rows < 16) {  // the last group's rows past M as zeros
+        last.assign(16 * I, 0);
+        std::memcpy(last.data(), src, rows * I * 2);
+        src = last.data();
+      }
+      // per 32 columns, a 16 x 16 block of 32-bit words (column pairs x rows) transposed into pairs x rows
+      for (int64_t k = 0; k < I; k += kStep)
+        deepinfer::transpose16(reinterpret_cast<const uint32_t*>(src + k), I / 2,
+                               reinterpret_cast<uint32_t*>(xv.get() + n * padded + g * 16 * I + k * 16));
+    });
     run = [&](int64_t n, int64_t o0, int64_t o1) {
       const uint16_t* wn = wp + n * O * I;
       float* yn = yp + n * M * O;
       const int64_t tiled = o0 + (o1 - o0) / 32 * 32;
-      amx_block(wn, xv.data() + n * padded, yn, M, O, I, o0, tiled);
+      amx_block(wn, xv.get() + n * padded, yn, M, O, I, o0, tiled);
       for (int64_t m = 0; m < M; ++m)  // the last rows of W, fewer than a tile's: one x row at a time
-        rows_block<1>(wn, xb.data() + (n * M + m) * I, yn + m * O, O, I, tiled, o1);
+        rows_block<1>(wn, xb.get() + (n * M + m) * I, yn + m * O, O, I, tiled, o1);
     };
   }
 #endif

@@ -93,35 +93,6 @@ struct Problem {
   uint16_t* values;  // (span / 32, C / 16) tiles of (16 row pairs x 16 columns x 2)
 };
 
-// A 16 x 16 block of 32-bit words transposed: out[d * 16 + s] = in[s * stride + d].
-inline void transpose16(const uint32_t* in, int64_t stride, uint32_t* out) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + i * stride);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // r[4 g + k] now holds, in its 128-bit lane L, rows 4 g .. 4 g + 3 of column 4 L + k
-  for (int k = 0; k < 4; ++k) {
-    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
-    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
-    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-  }
-  for (int k = 0; k < 4; ++k) {
-    _mm512_storeu_si512(out + k * 16, _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88));
-    _mm512_storeu_si512(out + (4 + k) * 16, _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88));
-    _mm512_storeu_si512(out + (8 + k) * 16, _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd));
-    _mm512_storeu_si512(out + (12 + k) * 16, _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd));
-  }
-}
-
 // Rows [s0, s0 + kStep) of the view into the key and value tiles (rows past `valid` as zeros).
 void lay_out(const Problem& p, int64_t s0) {
   const int64_t A = p.A, words = A / 2, kk_tiles = A / 32;  // a row is A / 2 words of two bfloat16
@@ -136,8 +107,8 @@ void lay_out(const Problem& p, int64_t s0) {
   // keys: tile (s0 / 16 + j, kk) row d (dim pair 16 kk + d) holds rows s0 + 16 j .. + 16 of that pair
   for (int64_t j = 0; j < kStep / 16; ++j)
     for (int64_t kk = 0; kk < kk_tiles; ++kk)
-      transpose16(rows32 + (16 * j) * words + 16 * kk, words,
-                  reinterpret_cast<uint32_t*>(p.keys) + ((s0 / 16 + j) * kk_tiles + kk) * 256);
+      deepinfer::transpose16(rows32 + (16 * j) * words + 16 * kk, words,
+                             reinterpret_cast<uint32_t*>(p.keys) + ((s0 / 16 + j) * kk_tiles + kk) * 256);
   // values: tile (s0 / 32 + h, c / 16) row e (row pair) holds columns c .. c + 16 of rows 2e, 2e + 1 interleaved
   const int64_t c_tiles = p.C / 16;
   for (int64_t h = 0; h < kStep / 32; ++h)
