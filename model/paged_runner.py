@@ -76,15 +76,16 @@ class LatentPool:
         bits = rows_NBA.astype(self.dtype, copy=False).view(_bits_dtype(self.dtype))  # no copy at cache dtype
         self.layers[layer] = _place_pages(self.layers[layer], jnp.asarray(pages_N), jnp.asarray(bits))
 
-    def read(self, layer: int, pages: list[int]) -> "PageRead":
-        """The latents of `pages` in one layer as a device copy of their bits (so later steps may overwrite the
-        pages); `host()` turns it into (len(pages) * page_tokens, A) cache-dtype rows off the model thread. The
-        page list is padded to a power of two and the padding dropped on the host: a device slice per length
-        was a compile each."""
+    def read(self, pages: list[int]) -> list["PageRead"]:
+        """The latents of `pages` in every layer as device copies of their bits (so later steps may overwrite
+        the pages), in one dispatch (one per layer cost each new answer's first token ~8 host dispatches);
+        `host()` turns each into (len(pages) * page_tokens, A) cache-dtype rows off the model thread. The page
+        list is padded to a power of two and the padding dropped on the host: a device slice per length was a
+        compile each."""
         n = len(pages)
         pages_N = np.full(_pow2(n), SCRATCH_PAGE, np.int32)
         pages_N[:n] = pages
-        return PageRead(_read_pages(self.layers[layer], jnp.asarray(pages_N)), n * self.page_tokens)
+        return [PageRead(bits, n * self.page_tokens) for bits in _read_pages(tuple(self.layers), jnp.asarray(pages_N))]
 
     def host(self, read: "PageRead") -> np.ndarray:
         """A `read` result as a host array in cache dtype."""
@@ -102,8 +103,8 @@ def _place_pages(pool_PBA, pages_N, rows_NBA):
 
 
 @jax.jit
-def _read_pages(pool_PBA, pages_N):
-    return _bits_view(pool_PBA, pages_N)  # (N * B, A) bits
+def _read_pages(layers, pages_N):
+    return [_bits_view(pool_PBA, pages_N) for pool_PBA in layers]  # each (N * B, A) bits
 
 
 def _write_slots(pool_PBA, slots_T, latents_TA):

@@ -192,8 +192,8 @@ def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny)
                                                      for p, (n, start), table in zip(prompts, specs, tables)]))
             assert out.shape == (8, cfg.vocab_size)  # padded to a power of two of segments
             logits = list(out[:len(specs)])
-        latents = [np.asarray(pool.host(pool.read(layer, table)))[:start + n]
-                   for layer in range(cfg.num_layers) for (n, start), table in zip(specs, tables)]
+        latents = [np.asarray(pool.host(read))[:start + n]
+                   for (n, start), table in zip(specs, tables) for read in pool.read(table)]
         steps = np.asarray(paged.decode([DecodeRow(int(np.argmax(row)), start + n, table)
                                          for row, (n, start), table in zip(logits, specs, tables)]))
         results[how] = logits, latents, steps[:len(specs)]

@@ -542,7 +542,7 @@ class Engine:
         if store is None or not self.cfg.save or full <= seq.saved_blocks:
             return
         start = seq.saved_blocks
-        layers = [self.latents.read(layer, seq.pages[start:full]) for layer in range(self.loaded.config.num_layers)]
+        layers = self.latents.read(seq.pages[start:full])
         hashes = self._hashes(seq, full)
         seq.saved_blocks = full
         # Counted as pending from here (not from when the loop starts it): a caller that saw the
