@@ -130,7 +130,9 @@ constexpr int64_t kGroup = 16;  // query tiles that share each step's view rows 
 
 struct Scratch {  // one thread's: a group of query tiles' state
   std::vector<uint16_t> q = std::vector<uint16_t>(kGroup * kRows * 1024);  // per tile (A / 32) A tiles
-  std::vector<float> acc = std::vector<float>(kGroup * kRows * kMaxC);     // running values, per tile 16 x C
+  // running values, per tile C / 16 blocks of 16 rows x 16 columns (a tile load of one reads 1 KB in a row;
+  // in rows of C floats its 16 rows lay 2 KB apart, in two of L1's sets)
+  std::vector<float> acc = std::vector<float>(kGroup * kRows * kMaxC);
   alignas(64) float scores[2][kRows * kStep];                              // a step's scores, a pair of tiles
   alignas(64) uint16_t probs[2][2 * kRows * 32];                           // their probabilities: two A tiles each
   float top[kGroup * kRows], total[kGroup * kRows];
@@ -176,7 +178,7 @@ void softmax_step(const Problem& p, Scratch& w, int64_t x, int64_t s0, const flo
     if (rescale != 1.f) {
       const __m512 k = _mm512_set1_ps(rescale);
       for (int64_t c = 0; c < p.C; c += 16)
-        _mm512_storeu_ps(acc + r * p.C + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * p.C + c), k));
+        _mm512_storeu_ps(acc + c * 16 + r * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16 + r * 16), k));
     }
     w.top[i] = new_top;
     _mm512_store_si512(p0, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
@@ -254,25 +256,26 @@ void group_rows(const Problem& p, int64_t g, Scratch& w) {
       _tile_loadd(6, w.probs[1], 64);
       _tile_loadd(7, w.probs[1] + 512, 64);
       for (int64_t c = 0; c < c_tiles; ++c) {
-        _tile_loadd(0, ax + c * 16, C * 4);
-        _tile_loadd(1, ay + c * 16, C * 4);
+        _tile_loadd(0, ax + c * 256, 64);
+        _tile_loadd(1, ay + c * 256, 64);
         _tile_loadd(2, values + c * 512, 64);
         _tile_dpbf16ps(0, 4, 2);
         _tile_dpbf16ps(1, 6, 2);
         _tile_loadd(3, values + (c_tiles + c) * 512, 64);
         _tile_dpbf16ps(0, 5, 3);
         _tile_dpbf16ps(1, 7, 3);
-        _tile_stored(0, ax + c * 16, C * 4);
-        _tile_stored(1, ay + c * 16, C * 4);
+        _tile_stored(0, ax + c * 256, 64);
+        _tile_stored(1, ay + c * 256, 64);
       }
     }
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = first + i, token = row / p.N, head = row % p.N;
     const float inv = w.total[i] > 0.f ? 1.f / w.total[i] : 0.f;
-    const float* acc = w.acc.data() + i * C;
+    const float* acc = w.acc.data() + (i / kRows) * kRows * C + (i % kRows) * 16;  // row i % 16 of its tile
     float* out = p.out + (head * p.stride + p.t0 + token) * C;
-    for (int64_t c = 0; c < C; ++c) out[c] = acc[c] * inv;
+    for (int64_t c = 0; c < C; c += 16)
+      _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), _mm512_set1_ps(inv)));
   }
 }
 
