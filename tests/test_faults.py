@@ -15,6 +15,7 @@ import pytest
 from openai import APIError, APIStatusError, AsyncOpenAI
 
 from kvstore.segment import decode_header
+from model.weights import read_identity
 from services.launcher import StackConfig
 from tests.conftest import free_port, free_ports
 from tests.stack_probes import ADMIN_TOKEN
@@ -315,12 +316,17 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
     aclient = AsyncOpenAI(base_url=stack.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=90)
     started = collections.defaultdict(asyncio.Event)  # request name -> its first streamed token arrived
 
-    async def ask(name: str, content: str, max_tokens: int, stream: bool):
+    # The requests that fill the engines' slots must outlast the test by length alone: end of sequence is
+    # barred (a greedy answer of a random model may reach it, and where depends on what shares its steps),
+    # and they may run to most of the context.
+    eos = read_identity(stack.data / "models" / stack.cfg.preset)[0].eos_token_id
+
+    async def ask(name: str, content: str, max_tokens: int, stream: bool, endless: bool = False):
         """'ok' or the error the client saw; never hangs (bounded client and test timeouts)."""
         try:
             reply = await aclient.chat.completions.create(
                 model="deepseek-chat", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
-                temperature=0, stream=stream)
+                temperature=0, stream=stream, logit_bias={str(eos): -100} if endless else None)
             if stream:
                 async for _ in reply:
                     started[name].set()
@@ -349,7 +355,7 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
     async def landed(name: str, content: str, stream: bool, running: list[int]) -> int:
         """Start request `name`, wait until it generates on an engine (first token out); that engine."""
         ttfts = [first_tokens(i) for i in range(2)]
-        tasks[name] = asyncio.create_task(ask(name, content, 8000, stream))
+        tasks[name] = asyncio.create_task(ask(name, content, 12000, stream, endless=True))
         placed = []
 
         def generating() -> bool:
@@ -386,11 +392,14 @@ async def test_an_engine_killed_mid_request_is_retried_before_the_first_token_or
         return len(waiting) == 1
     try:
         await until(queued, "the last request is not waiting on an engine")
-    except AssertionError:
+    except AssertionError as error:
+        ended = {name: task.result() for name, task in tasks.items() if task.done() and not task.exception()}
+        state = await asyncio.to_thread(load)
         for task in tasks.values():
             task.cancel()
         await aclient.close()
-        raise
+        raise AssertionError(f"{error}; requests that ended: {ended}; (generating, waiting) per engine: "
+                             f"{state}") from error
     victim = waiting[0]
     doomed = {name for name, engine in on.items() if engine == victim}
     survivors = set(on) - doomed
