@@ -20,7 +20,7 @@ to one fixed size. Short prefill segments of several sequences share one pass (`
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from functools import lru_cache, partial
 from typing import NamedTuple
 
@@ -301,6 +301,23 @@ class PagedLayerCalls(NamedTuple):
                    layer.jit(_finish_tiles, static_argnums=(5, 6)))
 
 
+PrefillLayers = Generator[object, None, jax.Array]
+"""A prefill pass one layer at a time: each `next` dispatches one layer and yields its output (to block on, to
+time it); the pass returns its result once every layer is in. Between layers the caller may dispatch other
+work, such as a decode step (each layer reads the pool's arrays as they are when it runs, and writes only its
+own sequences' rows); a pass closed part-way has written its rows into some layers only: its sequences must
+compute them again."""
+
+
+def run_layers(layers: PrefillLayers) -> jax.Array:
+    """Runs a layer-by-layer pass through; returns its result (dispatched)."""
+    while True:
+        try:
+            next(layers)
+        except StopIteration as done:
+            return done.value
+
+
 class Segment(NamedTuple):
     """A prefill segment: tokens at positions [start, start + len(tokens)) of one sequence with `pages`."""
     tokens: np.ndarray
@@ -446,6 +463,10 @@ class PagedRunner:
         return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
 
     def prefill_segments(self, segments: list[Segment]) -> jax.Array:
+        """`prefill_segments_layers` run through: the logits (K, V), dispatched."""
+        return run_layers(self.prefill_segments_layers(segments))
+
+    def prefill_segments_layers(self, segments: list[Segment]) -> PrefillLayers:
         """Computes several sequences' segments in one pass per layer: their rows share every projection and
         feed-forward product (one product of all rows instead of one per sequence). Rows go in tiles of one
         page (a segment takes whole tiles, its last one padded); each tile attends over its own sequence's
@@ -453,8 +474,8 @@ class PagedRunner:
         is the segments' own (up to MAX_PASS_TILES shapes per view): padded to a power of two, the padding tiles
         ran the whole blockwise loop like the others (it is vmapped over tiles), which cost 42% of a pass of
         five 64-token segments at 1K context (437 ms against 254). The view is the longest segment's. Writes
-        the latents into the pages; returns the logits (K, V) at each segment's last token, dispatched (rows
-        past len(segments) repeat the last)."""
+        the latents into the pages; yields after each layer's dispatch (`PrefillLayers`) and returns the logits
+        (K, V) at each segment's last token, dispatched (rows past len(segments) repeat the last)."""
         B = self.page
         counts = [-(-s.tokens.size // B) for s in segments]
         if sum(counts) > MAX_PASS_TILES:
@@ -462,6 +483,11 @@ class PagedRunner:
         M = sum(counts)
         ends = [s.start + s.tokens.size for s in segments]
         view = view_bucket(max(ends), B)
+        absorbed = (prefer_absorbed(self.cfg, B, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
+                    else self.dense.attention == "absorbed")
+        form = ("pages" if self.prefill_reads_pages else "absorbed") if absorbed else "expanded"
+        if form == "pages":
+            view = self._kernel_view  # the kernel reads each row's own causal range: one shape per tile count
         tokens_MT = np.zeros((M, B), np.int32)
         positions_MT = np.tile(np.arange(B, dtype=np.int32), (M, 1))
         slots_MT = np.full((M, B), SCRATCH_PAGE * B, np.int32) + np.arange(B, dtype=np.int32)
@@ -479,9 +505,6 @@ class PagedRunner:
             tables_MQ[rows] = self._table(seg.pages, view)
             last_K[k:] = tile * B + n - 1
             tile += count
-        absorbed = (prefer_absorbed(self.cfg, B, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
-                    else self.dense.attention == "absorbed")
-        form = ("pages" if self.prefill_reads_pages else "absorbed") if absorbed else "expanded"
         x_RD = _embed(self.dense.embed_VD, jnp.asarray(tokens_MT.reshape(-1)))
         positions_R, slots_R = jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1))
         positions_MT, tables_MQ = jnp.asarray(positions_MT), jnp.asarray(tables_MQ)
@@ -490,15 +513,20 @@ class PagedRunner:
                                                                           slots_R)
             x_RD = calls.finish_tiles(x_RD, q_nope_NRH, q_pe_NRR, self.pool.layers[layer], tables_MQ, view, form,
                                       positions_MT)
+            yield x_RD
         return self._head_rows(x_RD, jnp.asarray(last_K))
 
     def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
+        """`prefill_layers` run through: the logits (V,) or the last chunk's output, dispatched."""
+        return run_layers(self.prefill_layers(tokens, start, pages, want_logits))
+
+    def prefill_layers(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> PrefillLayers:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
         writes their latents into `pages`. Absorbed with the CPU's prefill kernel, attention reads the pages in
         place (`_finish_tiles`, one tile per chunk; a single token takes XLA's path, as the dense runner's does);
-        otherwise over the pages gathered into a view once per layer. Returns the logits (V,) at the last
-        position if asked, else the last chunk's output (T, D): dispatched, not waited for; a caller that times
-        the segment blocks on it."""
+        otherwise over the pages gathered into a view once per layer. Yields after each layer's dispatch
+        (`PrefillLayers`); returns the logits (V,) at the last position if asked, else the last chunk's output
+        (T, D): dispatched, not waited for; a caller that times the segment blocks on it."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
@@ -512,12 +540,17 @@ class PagedRunner:
         positions = [jnp.asarray(p) for p in positions]
         count = len(sizes)
         view = view_bucket(end, self.page)
-        table = jnp.asarray(self._table(pages, view))
-        views = [min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
         absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
                     else self.dense.attention == "absorbed")
         key_block = self.dense.key_block
         in_place = absorbed and self.prefill_reads_pages and n > 1  # the kernel reads the pages: no view gathered
+        if in_place:
+            # The kernel reads each row's own causal range (its position), whatever the table's width: one
+            # width, the longest the pool and the model allow, so a chunk size compiles once, not once per
+            # view (a first call of a new view stalled every decoding stream 50-250 ms).
+            view = self._kernel_view
+        table = jnp.asarray(self._table(pages, view))
+        views = [view if in_place else min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
         if in_place:  # one tile per chunk
             tables_1Q, positions_1T = table[None], [p[None] for p in positions]
         for layer, calls in enumerate(self._layer_calls):
@@ -530,11 +563,12 @@ class PagedRunner:
             if in_place:
                 chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, tables_1Q, views[i], "pages",
                                              positions_1T[i]) for i in range(count)]
-                continue
-            kv_SA = _gather_view(pool_PBA, table)
-            expanded = None if absorbed else calls.dense.expand(kv_SA, view)
-            chunks = [calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
-                                         expanded, key_block) for i in range(count)]
+            else:
+                kv_SA = _gather_view(pool_PBA, table)
+                expanded = None if absorbed else calls.dense.expand(kv_SA, view)
+                chunks = [calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
+                                             expanded, key_block) for i in range(count)]
+            yield chunks
         if not want_logits:
             return chunks[-1]
         return self.dense.logits(chunks[-1], (n - 1) - offsets[-1])

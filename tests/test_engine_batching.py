@@ -9,7 +9,7 @@ import pytest
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, miss, open_redis
 from model.config import preset
 from model.paged_runner import (DECODE_VIEW_STEPS, MAX_PASS_TILES, DecodeRow, LatentPool, PagedRunner, Segment,
-                                view_bucket)
+                                run_layers, view_bucket)
 from model.runner import ModelRunner
 from model.sampling import SamplingParams
 from model.serving import serving_model
@@ -18,7 +18,8 @@ from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.core import Engine
 from services.engine.engine_metrics import EngineMetrics
-from services.engine.sequence import Job, Sequence
+from services.engine.scheduler import Step
+from services.engine.sequence import Job, Sequence, Status
 
 SALT = "5a" * 16
 VOCAB = 129_280
@@ -270,6 +271,123 @@ def test_prefill_reading_pages_in_place_gives_the_logits_of_gathered_views():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     with pytest.raises(ValueError, match="in place was asked for"):
         PagedRunner(model, cfg, LatentPool(cfg, 8, 16), prefill_in_place=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bits(tiny, dtype):
+    """PagedRunner.prefill_layers / prefill_segments_layers with another sequence's decode step dispatched after
+    every layer (as the engine slices a long-context pass between steps) against the pass run whole and the
+    decode steps after it: the same logits and latents, bit for bit, for both."""
+    cfg = tiny.config
+    served = serving_model(tiny.model, dtype)
+    p, q, d = prompt(60, 300), prompt(61, 90), prompt(62, 100)
+    table_p, table_q, table_d = list(range(1, 7)), list(range(7, 9)), list(range(9, 12))
+    out = {}
+    for how in ("whole", "sliced"):
+        pool = LatentPool(cfg, 16, 64)
+        paged = PagedRunner(served, cfg, pool, chunk_tokens=64)
+        paged.prefill(p[:64], 0, table_p, False)
+        paged.prefill(d, 0, table_d, False)
+        passes = [paged.prefill_layers(p[64:], 64, table_p, True),  # four chunks
+                  paged.prefill_segments_layers([Segment(p[:40], 0, table_q), Segment(q[:90], 0, [13, 14])])]
+        steps, results, position = [], [], 100
+        for layers in passes:
+            if how == "whole":
+                results.append(np.asarray(run_layers(layers)))
+                for _ in range(cfg.num_layers):
+                    steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
+                    position += 1
+                continue
+            while True:
+                try:
+                    next(layers)
+                except StopIteration as done:
+                    results.append(np.asarray(done.value))
+                    break
+                steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
+                position += 1
+        latents = [np.asarray(pool.host(read)) for table in (table_p, table_q, [13, 14], table_d)
+                   for read in pool.read(table)]
+        out[how] = results, steps, latents
+    for got, want in zip(*(out[how] for how in ("sliced", "whole"))):
+        assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is_cancelled_or_preempted(tiny, tmp_path):
+    """Engine steps driven by hand (no model thread): a segment given a budget smaller than one layer's cost runs
+    one layer a step and stays in flight; finished that way, its first token and logits are those of the same
+    segment run whole. Cancelled mid-pass, or preempted by a decoding sequence that needs a page, it closes
+    the pass: no layer more is dispatched, nothing is counted computed, every page is free or owned once."""
+    cfg = engine_config(tmp_path, pool_tokens=64 * 16)
+    loaded = tiny
+    L = loaded.config.num_layers
+
+    def engine() -> Engine:
+        e = Engine(loaded, cfg, CacheLink(cfg, CacheGeometry(L, loaded.config.latent_dim, 64, loaded.config.cache_dtype),
+                                          loaded.fingerprint), EngineMetrics())
+        e.warm_up()  # seeds the prefill cost: a sliced pass predicts its layers' time from it
+        e.loop = asyncio.get_running_loop()
+        return e
+
+    def admitted(e: Engine, tokens: np.ndarray) -> Sequence:
+        job = Job(f"r{id(tokens)}", np.asarray(tokens, np.int64), "t", SALT, miss(), SamplingParams(max_tokens=4),
+                  "chat", True)
+        seq = Sequence(job, 0, asyncio.Queue(), e.loop, tokens=[int(t) for t in tokens], hashes=[])
+        e._count(waiting=1)
+        e.scheduler.add(seq)
+        for admission in e.scheduler.admit():
+            e._admitted(admission)
+        assert seq.status is Status.RUNNING
+        return seq
+
+    async def first_token(seq: Sequence) -> dict:
+        await asyncio.sleep(0)
+        events = []
+        while not seq.events.empty():
+            events.append(seq.events.get_nowait())
+        return next(event for event in events if event["type"] == "token")
+
+    long = prompt(70, 300)
+    whole = engine()
+    seq = admitted(whole, long)
+    whole._step(Step([], [(seq, 300)]))
+    want = await first_token(seq)
+
+    e = engine()
+    slices = e.metrics.prefill_slices
+    seq = admitted(e, long)
+    e._step(Step([], [(seq, 300)], slice_s=1e-9))
+    assert e._pass is not None and slices._value.get() == 1 and seq.computed == 0
+    for _ in range(L - 1):  # one layer a step; the head goes with the last
+        assert e._pass is not None
+        e._step(Step([], [], slice_s=1e-9))
+    assert e._pass is None and slices._value.get() == L and seq.computed == 300
+    assert await first_token(seq) == want  # the same token, and the same logits' digest
+
+    e = engine()
+    seq = admitted(e, long)
+    e._step(Step([], [(seq, 300)], slice_s=1e-9))
+    assert e._pass is not None  # one layer in of L
+    e._cancel(seq)
+    assert e._pass is None and e.metrics.prefill_aborted._value.get() == 1
+    assert seq.computed == 0 and e.metrics.prefill_tokens.labels("computed")._value.get() == 0
+    assert e.pages.owned_pages == 0
+    e.pages.check([])
+
+    e = engine()
+    decoding = admitted(e, prompt(71, 63))  # its second token needs a second page
+    e._step(Step([], [(decoding, 63)]))
+    e._step(Step([decoding], []))
+    seq = admitted(e, long)
+    e._step(Step([], [(seq, 300)], slice_s=1e-9))
+    assert e._pass is not None
+    filler = e.pages.allocate(e.pages.available())  # the pool is full: the youngest (in the pass) is preempted
+    e._step(Step([decoding], [], slice_s=1e-9))
+    assert e._pass is None and e.metrics.prefill_aborted._value.get() == 1 and e.metrics.preemptions._value.get() == 1
+    assert seq.status is Status.WAITING and seq.computed == 0 and not seq.pages
+    assert decoding.computed == 65 and len(decoding.pages) == 2
+    e.pages.release(filler)
+    e.pages.check([decoding.pages])
 
 
 @pytest.mark.parametrize("dtype, path, tolerance", [("bfloat16", "auto", 3e-2), ("float32", "float32", 1e-4)])

@@ -7,7 +7,7 @@ from kvstore import miss
 from model.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.pool import PagePool
-from services.engine.scheduler import SchedulePolicy, Scheduler, decode_cut
+from services.engine.scheduler import SLICED_STEPS, SchedulePolicy, Scheduler, Step, decode_cut
 from services.engine.sequence import Job, Sequence
 from services.engine.step_cost import DecodeCost, DispatchCost, PrefillCost, StepCost
 
@@ -119,7 +119,8 @@ def test_a_segment_never_goes_below_one_block_however_cheap_decoding_is():
     cost = measured(decode_s=1e-6)
     s = scheduler()
     first, second = running(s, (20000, 16384), (3000, 0))
-    assert s.schedule(cost).prefill == [(first, 64)]  # the oldest progresses; the other waits
+    step = s.schedule(cost)
+    assert step.prefill == [(first, 64)] and step.slice_s == pytest.approx(2e-6)  # the oldest progresses, sliced
     s2 = scheduler()
     tail, = running(s2, (16400, 16384))
     assert s2.schedule(cost).prefill == [(tail, 16)]  # the rest of a prompt, shorter than a block
@@ -133,6 +134,26 @@ def test_a_segment_never_goes_above_solo_tokens_however_slow_decoding_is():
     s2 = scheduler(solo_tokens=1000)  # not a power of two times the block: the cap still holds
     only, = running(s2, (20000, 0))
     assert s2.schedule(cost).prefill == [(only, 1000)]
+
+
+def test_a_segment_that_does_not_fit_a_step_is_sliced_and_sized_to_a_few_steps_budgets():
+    cost = measured(decode_s=0.005)  # a step's prefill gets 2 x 5 ms
+    s = scheduler()
+    long, short = running(s, (20000, 16384), (3000, 0))
+    step = s.schedule(cost)
+    # At 16K one block takes 17 ms: none fits 10 ms. The pass is sized to SLICED_STEPS (8) budgets, 80 ms:
+    # 256 tokens (68 ms; 512 take 138), computed a few layers a step; it alone, the short one waits.
+    assert step.prefill == [(long, 256)] and step.slice_s == pytest.approx(0.01)
+    assert cost.prefill_s(256, 16384 + 256) <= SLICED_STEPS * 0.01 < cost.prefill_s(512, 16384 + 512)
+    # While the pass is in flight no segment starts, and the step gives the pass its budget ...
+    in_flight = s.schedule(cost, pass_in_flight=True)
+    assert in_flight.prefill == [] and in_flight.slice_s == pytest.approx(0.01) and len(in_flight.decode) == 2
+    # ... or, with no costs to size a slice by, none: the pass runs to its end.
+    assert s.schedule(None, pass_in_flight=True) == Step(in_flight.decode, [], None)
+    # A segment that fits is not sliced.
+    s2 = scheduler()
+    short, = running(s2, (3000, 0))
+    assert s2.schedule(cost).slice_s is None
 
 
 def test_the_ratio_scales_the_segment():

@@ -3,8 +3,9 @@
 Requests arrive on the event loop (`run`), become Sequences and go to the model thread through an
 inbox. The model thread loops: admit (pages from the pool, memory-tier hits taken by reference),
 start disk loads of hits (read on the event loop, ahead of and apart from compute), move loaded
-sequences to running, run one step (the scheduler's decode batch and prefill segments), sample, emit
-events, publish completed blocks to the memory tier, hand new full blocks to the store. A disk hit
+sequences to running, run one step (the scheduler's decode batch and prefill segments, or some layers of
+a sliced pass: a segment at a long context whose cost exceeds a step's prefill budget), sample, emit events,
+publish completed blocks to the memory tier, hand new full blocks to the store. A disk hit
 joins the running set only once every layer of its prefix is in its pages, so no step ever waits
 on a disk read: other sequences keep decoding while it loads, and its time to first token is the
 load plus its suffix's compute (the load is the smaller part here: see BENCHMARKS.md).
@@ -19,13 +20,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from kvstore import extend_block_hashes
 from model.grammar import GrammarState, TokenGrammar, default_tokenizer_json, token_grammar
-from model.paged_runner import MAX_PASS_TILES, SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner, Segment
+from model.paged_runner import MAX_PASS_TILES, SCRATCH_PAGE, DecodeRow, LatentPool, PagedRunner, PrefillLayers, Segment
 from model.runner import _pow2
 from model.sampling import SamplingParams, SamplingRow, TokenLogprobs, request_seed, sample_batch
 from model.serving import serving_model
@@ -43,6 +45,18 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.005  # how often the model thread looks at disk loads when nothing else runs
 _GREEDY = SamplingParams()
+
+
+@dataclass(slots=True, eq=False)
+class PrefillPass:
+    """A prefill pass under way: its segments, the sequences whose first token it samples, its layers (and
+    then its head) still to dispatch, and the time its slices took so far."""
+    group: list[tuple[Sequence, int]]
+    wanted: list[Sequence]
+    layers: PrefillLayers
+    units: int  # layers not yet dispatched (the head goes with the last)
+    unit_s: float | None = None  # predicted seconds of one unit (a sliced pass)
+    seconds: float = 0.0
 
 
 class QueueFull(Exception):
@@ -82,6 +96,7 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self._drop_hot: asyncio.Future | None = None  # an admin asked to empty the memory tier
+        self._pass: PrefillPass | None = None  # a sliced prefill pass in flight (model thread)
         self._thread = threading.Thread(target=self._serve, name="model", daemon=True)
         metrics.pool_pages.set(self.pages.usable)
         metrics.pool_bytes.set(self.latents.bytes)
@@ -165,6 +180,7 @@ class Engine:
                 "loading": len(s.loading), "pending_saves": len(self.saves),
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_batch": self.cfg.max_batch,
                 "batch_invariant": self.cfg.batch_invariant,
+                "prefill_pass_in_flight": self._pass is not None,  # a sliced pass, some of its layers done
                 # "cpu-kernel": pages read in place (model/cpu_kernels.py); "xla-view": gathered dense views
                 "decode_attention": self.runner.decode_attention,
                 "step_cost": {**self.cost.summary(), "prefill_step_ratio": self.cfg.prefill_step_ratio},
@@ -187,8 +203,8 @@ class Engine:
                 for admission in self.scheduler.admit():
                     self._admitted(admission)
                 self._poll_loads()
-                step = self.scheduler.schedule(self.cost)
-                if step.decode or step.prefill:
+                step = self.scheduler.schedule(self.cost, self._pass is not None)
+                if step.decode or step.prefill or self._pass is not None:
                     begin = time.perf_counter()
                     self._step(step)
                     self.metrics.step_seconds.inc(time.perf_counter() - begin)
@@ -199,6 +215,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - a bug must fail its requests, not stop the engine
                 log.exception("engine step failed; failing the sequences in flight")
                 self.metrics.step_failures.inc()
+                self._pass = None
                 for seq in [*self.scheduler.live()]:
                     seq.emit({"type": "error", "message": "the engine failed this request's step"})
                     self._release(seq, "error")
@@ -306,7 +323,11 @@ class Engine:
             self.cost.decode.observe(len(decode), elapsed)
             self.metrics.decode_batch.observe(len(decode))
             self.metrics.decode_seconds.inc(elapsed)
-        self._prefill([(seq, n) for seq, n in step.prefill if seq.status is Status.RUNNING])  # (not preempted above)
+        if self._pass is not None:
+            self._advance(self._pass, step.slice_s)
+        else:
+            self._prefill([(seq, n) for seq, n in step.prefill if seq.status is Status.RUNNING],  # (not preempted)
+                          step.slice_s)
 
     def _decode(self, decode: list[Sequence]) -> None:
         """One decode dispatch: a token for each of these sequences."""
@@ -330,39 +351,87 @@ class Engine:
         cut = decode_cut([seq.computed for seq in ordered], self.runner.decode_shape, self.cost.dispatch)
         return [ordered[:cut], ordered[cut:]] if cut else [decode]
 
-    def _prefill(self, segments: list[tuple[Sequence, int]]) -> None:
+    def _prefill(self, segments: list[tuple[Sequence, int]], slice_s: float | None = None) -> None:
         """Computes the step's prefill segments in passes (`_prefill_passes`: short ones of several sequences
-        together, PagedRunner.prefill_segments; the others alone); samples the first token of every sequence
-        whose prompt is done, saves the progress of long prefills."""
+        together, PagedRunner.prefill_segments; the others alone). With `slice_s` (one segment, which costs
+        more than a step's prefill budget) the pass runs the layers that fit it and stays in flight for the next
+        steps (`_advance`)."""
+        L = self.loaded.config.num_layers
         for group in self._prefill_passes(segments):
             # Sequences whose prompt this pass completes come first: their logits are the pass's first rows.
             group.sort(key=lambda item: not self._completes(*item))
             wanted = [seq for seq, n in group if self._completes(seq, n)]
-            begin = time.perf_counter()
             if len(group) == 1:
                 (seq, n), = group
-                logits = self.runner.prefill(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed,
-                                             seq.pages, bool(wanted))
-                logits = logits[None] if wanted else logits
+                layers = self.runner.prefill_layers(np.asarray(seq.tokens[seq.computed:seq.computed + n]),
+                                                    seq.computed, seq.pages, bool(wanted))
             else:
-                logits = self.runner.prefill_segments([
+                layers = self.runner.prefill_segments_layers([
                     Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
                     for seq, n in group])
-            jax.block_until_ready(logits)  # timed to its end: the cost model that sizes segments learns from it
-            elapsed = time.perf_counter() - begin
-            self.cost.prefill.observe_pass([(n, seq.computed + n) for seq, n in group], elapsed)
-            self.metrics.prefill_seconds.inc(elapsed)
-            self.metrics.prefill_passes.inc()
-            for seq, n in group:
-                seq.computed += n
-                self.metrics.prefill_tokens.labels("computed").inc(n)
-                self._publish(seq)
-                if seq not in wanted and seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
-                    self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
-            if wanted:
-                host = np.asarray(logits) if any(seq.job.digest for seq in wanted) else None
-                for i, (seq, (token, logprobs)) in enumerate(zip(wanted, self._sample(logits, wanted))):
-                    self._accept(seq, token, None if host is None else host[i], logprobs)
+            run = PrefillPass(group, wanted, layers, L)
+            if slice_s is not None and len(group) == 1:
+                predicted = self.cost.prefill_s(n, seq.computed + n)
+                run.unit_s = None if predicted is None else predicted / L
+            if not self._advance(run, slice_s):
+                self._pass = run
+                return
+
+    def _advance(self, run: PrefillPass, budget_s: float | None) -> bool:
+        """Dispatches the pass's next layers, as many as `budget_s` holds by their predicted time (at least one;
+        all without a budget), and waits for them: timed, so that the cost model learns the whole pass's time
+        (the sum of its slices) and the next decode step starts after them. The head (a few rows' logits) goes
+        with the last layer, which finishes the pass (True)."""
+        k = run.units if budget_s is None or run.unit_s is None else max(1, min(run.units, int(budget_s / run.unit_s)))
+        begin = time.perf_counter()
+        for _ in range(k):
+            out = next(run.layers)
+        run.units -= k
+        if not run.units:
+            try:
+                next(run.layers)
+            except StopIteration as done:
+                out = done.value
+        jax.block_until_ready(out)
+        run.seconds += time.perf_counter() - begin
+        if run.units:
+            self.metrics.prefill_slices.inc()
+            return False
+        if self._pass is run:
+            self.metrics.prefill_slices.inc()
+            self._pass = None
+        self._passed(run, out)
+        return True
+
+    def _abort_pass(self, seq: Sequence) -> None:
+        """Closes the pass in flight if `seq` is in it (cancelled, finished or preempted: its pages are about to
+        be freed, and no later layer may write into them). Its sequences keep their `computed`: they compute
+        the segment again."""
+        run = self._pass
+        if run is not None and any(s is seq for s, _ in run.group):
+            run.layers.close()
+            self._pass = None
+            self.metrics.prefill_aborted.inc()
+
+    def _passed(self, run: PrefillPass, logits) -> None:
+        """A pass is done: its sequences advance, publish and save their progress; the first token of every
+        sequence whose prompt it completed is sampled."""
+        group, wanted, elapsed = run.group, run.wanted, run.seconds
+        if len(group) == 1 and wanted:
+            logits = logits[None]
+        self.cost.prefill.observe_pass([(n, seq.computed + n) for seq, n in group], elapsed)
+        self.metrics.prefill_seconds.inc(elapsed)
+        self.metrics.prefill_passes.inc()
+        for seq, n in group:
+            seq.computed += n
+            self.metrics.prefill_tokens.labels("computed").inc(n)
+            self._publish(seq)
+            if seq not in wanted and seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
+                self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
+        if wanted:
+            host = np.asarray(logits) if any(seq.job.digest for seq in wanted) else None
+            for i, (seq, (token, logprobs)) in enumerate(zip(wanted, self._sample(logits, wanted))):
+                self._accept(seq, token, None if host is None else host[i], logprobs)
 
     @staticmethod
     def _completes(seq: Sequence, n: int) -> bool:
@@ -433,6 +502,7 @@ class Engine:
                 victim = self.scheduler.youngest()
                 log.info("pool full: preempting request %s (%d tokens)", victim.request_id, victim.computed)
                 self.metrics.preemptions.inc()
+                self._abort_pass(victim)
                 self._publish(victim)
                 self.scheduler.preempt(victim)
                 if victim is seq:
@@ -498,6 +568,7 @@ class Engine:
 
     def _release(self, seq: Sequence, outcome: str) -> None:
         """Publishes and saves what the sequence computed (unless its step failed), then frees its pages."""
+        self._abort_pass(seq)
         if seq.status is Status.RUNNING and outcome != "error":
             self._publish(seq)
             self._save(seq)

@@ -73,6 +73,11 @@ class EngineMetrics:
                                        "Time spent computing prompt tokens (prefill passes)", registry=r)
         self.prefill_passes = Counter("deepinfer_engine_prefill_passes_total",
                                       "Prefill passes (one or several sequences' segments each)", registry=r)
+        self.prefill_slices = Counter("deepinfer_engine_prefill_slices_total",
+                                      "Steps that ran part of a sliced prefill pass (some of its layers)", registry=r)
+        self.prefill_aborted = Counter("deepinfer_engine_prefill_passes_aborted_total",
+                                       "Sliced prefill passes closed part-way (their sequence was cancelled or "
+                                       "preempted)", registry=r)
         self.requests = Counter("deepinfer_engine_requests_total", "Requests by outcome", ["outcome"],
                                 registry=r)
         self.cache_fallbacks = Counter("deepinfer_engine_cache_fallbacks_total",

@@ -6,8 +6,12 @@ of every running sequence whose prefill is done, plus prefill segments of runnin
 budget, so a long prefill never stops other streams' decoding. The budget is time: given the measured
 step costs (step_cost.py), the segments are sized so that their predicted time is about
 `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
-over the whole prefix) and many at short ones; at least one block, at most `solo_tokens`. When more
-sequences prefill than decode, that budget grows by their ratio. Without costs
+over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences prefill than
+decode, that budget grows by their ratio. Where not even one block fits the budget (a long context: 64
+tokens at 16K cost several decode steps), the step starts a sliced pass: a segment predicted to take up to
+SLICED_STEPS budgets, computed a few layers per step (as many as the budget holds, at least one) between the
+decode steps, so a step's prefill stays near its budget at any context; while it is in flight no other
+segment starts. Without costs
 yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
 takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
 Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
@@ -57,9 +61,16 @@ class Admission(NamedTuple):
     memory_pages: list[int]  # published pages the sequence took a reference on
 
 
+SLICED_STEPS = 8  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend
+# and read the weights for more tokens at once, but while one is in flight newcomers' prefills wait for it
+
+
 class Step(NamedTuple):
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int]]  # (sequence, tokens to compute from its `computed`)
+    # Seconds of prefill this step may take, when that is less than the one segment in `prefill` (or the pass in
+    # flight) costs: the pass runs as many of its layers as fit, the rest in later steps. None: passes run whole.
+    slice_s: float | None = None
 
 
 class Scheduler:
@@ -106,16 +117,23 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def schedule(self, cost: StepCost | None = None) -> Step:
+    def schedule(self, cost: StepCost | None = None, pass_in_flight: bool = False) -> Step:
         """The next step's batch; `cost` (measured step costs) sizes the prefill segments by time while
-        sequences decode."""
+        sequences decode. With a sliced pass in flight, no segment starts: the step gives the pass its budget
+        (None while nothing decodes: it runs to its end)."""
         decode = [s for s in self.running if not s.prefilling]
         p = self.policy
         decode_s = cost.decode_s(len(decode)) if cost is not None and decode else None
         if decode_s is not None and not p.batch_invariant and cost.prefill_s(1, 1) is not None:
             prefilling = len(self.running) - len(decode)
             share = max(1.0, prefilling / len(decode))
-            return Step(decode, self._timed_prefill(cost, p.prefill_step_ratio * decode_s * share))
+            seconds = p.prefill_step_ratio * decode_s * share
+            if pass_in_flight:
+                return Step(decode, [], seconds)
+            prefill, sliced = self._timed_prefill(cost, seconds)
+            return Step(decode, prefill, seconds if sliced else None)
+        if pass_in_flight:
+            return Step(decode, [])
         budget = (p.step_tokens - len(decode)) if decode else p.solo_tokens
         prefill = []
         for seq in self.running:
@@ -131,10 +149,12 @@ class Scheduler:
             budget -= n
         return Step(decode, prefill)
 
-    def _timed_prefill(self, cost: StepCost, seconds: float) -> list[tuple[Sequence, int]]:
+    def _timed_prefill(self, cost: StepCost, seconds: float) -> tuple[list[tuple[Sequence, int]], bool]:
         """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
-        admission order the largest segment size that fits what is left (its rest of the prompt if that fits);
-        the first always gets at least the smallest size, so a prefill progresses whatever the decode costs."""
+        admission order the largest segment size that fits what is left (its rest of the prompt if that fits).
+        If not even the first one's smallest fits, it alone gets the largest size predicted within SLICED_STEPS
+        times `seconds` (at least the smallest), to be sliced by layers (True), so a prefill progresses whatever
+        the decode costs."""
         sizes = self.policy.segment_sizes()
         prefill = []
         for seq in self.running:
@@ -145,16 +165,18 @@ class Scheduler:
             def predicted(n: int) -> float:  # after the first, segments mostly join its pass (its d is paid)
                 return cost.prefill_s(n, seq.computed + n) - (cost.prefill.per_pass_s if prefill else 0.0)
 
-            fitting = [n for n in dict.fromkeys([*(min(n, left) for n in sizes)]) if predicted(n) <= seconds]
+            candidates = list(dict.fromkeys(min(n, left) for n in sizes))
+            fitting = [n for n in candidates if predicted(n) <= seconds]
             if fitting:
                 n = fitting[-1]
             elif not prefill:
-                n = min(sizes[0], left)
+                sliced = [n for n in candidates if predicted(n) <= SLICED_STEPS * seconds]
+                return [(seq, sliced[-1] if sliced else candidates[0])], True
             else:
                 continue
             prefill.append((seq, n))
             seconds -= predicted(n)
-        return prefill
+        return prefill, False
 
     def youngest(self) -> Sequence | None:
         return self.running[-1] if self.running else None
