@@ -233,7 +233,13 @@ async def interference(args, url: str, result: dict) -> None:
         streams = [asyncio.create_task(client.complete(fresh(64), budget, first_token=e, times=t))
                    for e, t in zip(started, arrivals)]
         await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding
-        long = await client.complete(fresh(args.long_tokens), 4)
+        # A newcomer's short prompt among the streams, then one sent while the long miss prefills: is it stuck
+        # behind the long one (head-of-line blocking) or prefilled beside it?
+        short_idle = await client.complete(fresh(64), 4)
+        long_task = asyncio.create_task(client.complete(fresh(args.long_tokens), 4))
+        await asyncio.sleep(min(5.0, alone.ttft_s / 4))
+        short = await client.complete(fresh(64), 4)
+        long = await long_task
         for t in streams:
             t.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -244,9 +250,12 @@ async def interference(args, url: str, result: dict) -> None:
     out["long_together_ttft_s"] = long.ttft_s
     out["tpot_p99_ratio"] = out["during_itl_s"]["p99"] / out["idle_tpot_s"]["p99"]
     out["long_ttft_ratio"] = long.ttft_s / alone.ttft_s
+    out["short_idle_ttft_s"], out["short_during_ttft_s"] = short_idle.ttft_s, short.ttft_s
+    out["short_before_long"] = short.send_s + short.ttft_s < long.send_s + long.ttft_s
     say(f"streams' p99 gap during the long prefill {out['during_itl_s']['p99']:.3f} s vs idle TPOT p99 "
         f"{out['idle_tpot_s']['p99']:.3f} s ({out['tpot_p99_ratio']:.2f}x); long TTFT {long.ttft_s:.1f} s vs alone "
-        f"{alone.ttft_s:.1f} s ({out['long_ttft_ratio']:.2f}x)")
+        f"{alone.ttft_s:.1f} s ({out['long_ttft_ratio']:.2f}x); a 64-token prompt's TTFT {short.ttft_s:.2f} s while it "
+        f"prefills ({short_idle.ttft_s:.2f} s among the streams alone)")
 
 
 async def streams(args, url: str, result: dict, probe: EngineProbe | None = None) -> None:

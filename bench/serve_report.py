@@ -73,6 +73,14 @@ def goals(result: dict) -> list[str]:
     return lines
 
 
+def _short_ttfts(inter: dict) -> str:
+    if "short_during_ttft_s" not in inter:  # a result from before this was measured
+        return "-"
+    during = f"{inter['short_during_ttft_s']:.2f}"
+    return (f"{inter['short_idle_ttft_s']:.2f} / {during}"
+            + ("" if inter["short_before_long"] else " (after the long one's first token)"))
+
+
 def _cache_ceiling(on: dict, off: dict) -> str:
     """What the cache could give this workload at most: the cache-off run's engine time with its hit share of
     prefill time gone and the rest as it was (not a physical bound: it takes the off run's own costs)."""
@@ -180,11 +188,12 @@ def write(result: dict, name: str) -> None:
     if inter:
         body += [report.markdown_table(
             ["streams", "long prompt", "idle TPOT p50 / p99 ms", "gap during the long prefill p50 / p99 ms",
-             "long TTFT alone s", "long TTFT among streams s"],
+             "long TTFT alone s", "long TTFT among streams s",
+             "a 64-token prompt's TTFT among the streams / while the long one prefills s"],
             [[inter["streams"], inter["long_tokens"], f"{_ms(inter['idle_tpot_s'], 'p50')} / "
               f"{_ms(inter['idle_tpot_s'], 'p99')}", f"{_ms(inter['during_itl_s'], 'p50')} / "
               f"{_ms(inter['during_itl_s'], 'p99')}", f"{inter['long_alone_ttft_s']:.1f}",
-              f"{inter['long_together_ttft_s']:.1f}"]]), ""]
+              f"{inter['long_together_ttft_s']:.1f}", _short_ttfts(inter)]]), ""]
     chat = result.get("streams")
     if chat:
         levels = [(f"{c} users", s) for c, s in sorted(chat["levels"].items(), key=lambda kv: int(kv[0]))]

@@ -356,7 +356,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     e = engine()
     slices = e.metrics.prefill_slices
     seq = admitted(e, long)
-    e._step(Step([], [(seq, 300)], slice_s=1e-9))
+    e._step(Step([], [], (seq, 300), slice_s=1e-9))
     assert e._pass is not None and slices._value.get() == 1 and seq.computed == 0
     for _ in range(L - 1):  # one layer a step; the head goes with the last
         assert e._pass is not None
@@ -366,7 +366,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
 
     e = engine()
     seq = admitted(e, long)
-    e._step(Step([], [(seq, 300)], slice_s=1e-9))
+    e._step(Step([], [], (seq, 300), slice_s=1e-9))
     assert e._pass is not None  # one layer in of L
     e._cancel(seq)
     assert e._pass is None and e.metrics.prefill_aborted._value.get() == 1
@@ -379,7 +379,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     e._step(Step([], [(decoding, 63)]))
     e._step(Step([decoding], []))
     seq = admitted(e, long)
-    e._step(Step([], [(seq, 300)], slice_s=1e-9))
+    e._step(Step([], [], (seq, 300), slice_s=1e-9))
     assert e._pass is not None
     filler = e.pages.allocate(e.pages.available())  # the pool is full: the youngest (in the pass) is preempted
     e._step(Step([decoding], [], slice_s=1e-9))

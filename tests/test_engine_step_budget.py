@@ -120,10 +120,10 @@ def test_a_segment_never_goes_below_one_block_however_cheap_decoding_is():
     s = scheduler()
     first, second = running(s, (20000, 16384), (3000, 0))
     step = s.schedule(cost)
-    assert step.prefill == [(first, 64)] and step.slice_s == pytest.approx(2e-6)  # the oldest progresses, sliced
+    assert step.prefill == [] and step.sliced == (first, 64)  # the oldest progresses, sliced; the other waits
     s2 = scheduler()
     tail, = running(s2, (16400, 16384))
-    assert s2.schedule(cost).prefill == [(tail, 16)]  # the rest of a prompt, shorter than a block
+    assert s2.schedule(cost).sliced == (tail, 16)  # the rest of a prompt, shorter than a block
 
 
 def test_a_segment_never_goes_above_solo_tokens_however_slow_decoding_is():
@@ -139,21 +139,36 @@ def test_a_segment_never_goes_above_solo_tokens_however_slow_decoding_is():
 def test_a_segment_that_does_not_fit_a_step_is_sliced_and_sized_to_a_few_steps_budgets():
     cost = measured(decode_s=0.005)  # a step's prefill gets 2 x 5 ms
     s = scheduler()
-    long, short = running(s, (20000, 16384), (3000, 0))
+    long, = running(s, (20000, 16384))
     step = s.schedule(cost)
     # At 16K one block takes 17 ms: none fits 10 ms. The pass is sized to SLICED_STEPS (8) budgets, 80 ms:
-    # 256 tokens (68 ms; 512 take 138), computed a few layers a step; it alone, the short one waits.
-    assert step.prefill == [(long, 256)] and step.slice_s == pytest.approx(0.01)
+    # 256 tokens (68 ms; 512 take 138), computed a few layers a step with the whole budget.
+    assert step.prefill == [] and step.sliced == (long, 256) and step.slice_s == pytest.approx(0.01)
     assert cost.prefill_s(256, 16384 + 256) <= SLICED_STEPS * 0.01 < cost.prefill_s(512, 16384 + 512)
-    # While the pass is in flight no segment starts, and the step gives the pass its budget ...
-    in_flight = s.schedule(cost, pass_in_flight=True)
-    assert in_flight.prefill == [] and in_flight.slice_s == pytest.approx(0.01) and len(in_flight.decode) == 2
-    # ... or, with no costs to size a slice by, none: the pass runs to its end.
-    assert s.schedule(None, pass_in_flight=True) == Step(in_flight.decode, [], None)
     # A segment that fits is not sliced.
     s2 = scheduler()
     short, = running(s2, (3000, 0))
-    assert s2.schedule(cost).slice_s is None
+    step = s2.schedule(cost)
+    assert step.sliced is None and step.slice_s is None and step.prefill == [(short, 64)]
+
+
+def test_short_prompts_are_not_stuck_behind_a_sliced_pass():
+    cost = measured(decode_s=0.005)
+    s = scheduler()
+    long, short, other_long = running(s, (20000, 16384), (3000, 0), (30000, 16384))
+    budget = 2 * 0.005 * 3 / 2  # three prefilling behind two decoding: 1.5 shares of 10 ms
+    # The long one (oldest) is sliced; the short one's largest fitting segment runs beside it, and the slice
+    # gets what is left; the second long one waits (one sliced pass at a time).
+    step = s.schedule(cost)
+    (seq, n), = step.prefill
+    assert seq is short and cost.prefill_s(n, n) <= budget < cost.prefill_s(2 * n, 2 * n)
+    assert step.sliced[0] is long and step.slice_s == pytest.approx(budget - cost.prefill_s(n, n))
+    # While the pass is in flight: no segment for its sequence, the short one goes on, the pass gets the rest.
+    in_flight = s.schedule(cost, in_pass=[long])
+    assert in_flight.prefill == [(short, n)] and in_flight.sliced is None and len(in_flight.decode) == 2
+    assert in_flight.slice_s == pytest.approx(budget - cost.prefill_s(n, n))
+    # With no costs to size by, the pass in flight runs to its end before any other segment.
+    assert s.schedule(None, in_pass=[long]) == Step(in_flight.decode, [])
 
 
 def test_the_ratio_scales_the_segment():

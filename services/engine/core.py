@@ -203,8 +203,8 @@ class Engine:
                 for admission in self.scheduler.admit():
                     self._admitted(admission)
                 self._poll_loads()
-                step = self.scheduler.schedule(self.cost, self._pass is not None)
-                if step.decode or step.prefill or self._pass is not None:
+                step = self.scheduler.schedule(self.cost, [seq for seq, _ in self._pass.group] if self._pass else ())
+                if step.decode or step.prefill or step.sliced or self._pass is not None:
                     begin = time.perf_counter()
                     self._step(step)
                     self.metrics.step_seconds.inc(time.perf_counter() - begin)
@@ -323,11 +323,11 @@ class Engine:
             self.cost.decode.observe(len(decode), elapsed)
             self.metrics.decode_batch.observe(len(decode))
             self.metrics.decode_seconds.inc(elapsed)
+        self._prefill([(seq, n) for seq, n in step.prefill if seq.status is Status.RUNNING])  # (not preempted)
         if self._pass is not None:
             self._advance(self._pass, step.slice_s)
-        else:
-            self._prefill([(seq, n) for seq, n in step.prefill if seq.status is Status.RUNNING],  # (not preempted)
-                          step.slice_s)
+        elif step.sliced is not None and step.sliced[0].status is Status.RUNNING:
+            self._prefill([step.sliced], step.slice_s)
 
     def _decode(self, decode: list[Sequence]) -> None:
         """One decode dispatch: a token for each of these sequences."""
@@ -354,8 +354,8 @@ class Engine:
     def _prefill(self, segments: list[tuple[Sequence, int]], slice_s: float | None = None) -> None:
         """Computes the step's prefill segments in passes (`_prefill_passes`: short ones of several sequences
         together, PagedRunner.prefill_segments; the others alone). With `slice_s` (one segment, which costs
-        more than a step's prefill budget) the pass runs the layers that fit it and stays in flight for the next
-        steps (`_advance`)."""
+        more than the step's prefill budget has left) the pass runs the layers that fit it and stays in flight
+        for the next steps (`_advance`)."""
         L = self.loaded.config.num_layers
         for group in self._prefill_passes(segments):
             # Sequences whose prompt this pass completes come first: their logits are the pass's first rows.

@@ -7,11 +7,12 @@ budget, so a long prefill never stops other streams' decoding. The budget is tim
 step costs (step_cost.py), the segments are sized so that their predicted time is about
 `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
 over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences prefill than
-decode, that budget grows by their ratio. Where not even one block fits the budget (a long context: 64
-tokens at 16K cost several decode steps), the step starts a sliced pass: a segment predicted to take up to
-SLICED_STEPS budgets, computed a few layers per step (as many as the budget holds, at least one) between the
-decode steps, so a step's prefill stays near its budget at any context; while it is in flight no other
-segment starts. Without costs
+decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a long
+context: 64 tokens at 16K cost several decode steps), the oldest such sequence gets a sliced pass: a segment
+predicted to take up to SLICED_STEPS budgets, computed a few layers per step (what the budget holds after the
+step's other segments, at least one layer) between the decode steps, so a step's prefill stays near its
+budget at any context. One sliced pass at a time; while it is in flight, other sequences' segments that fit
+still run beside it, so a short prompt is not stuck behind a long one. Without costs
 yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
 takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
 Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
@@ -21,7 +22,7 @@ a decode batch is cheaper as two dispatches.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,9 +68,10 @@ SLICED_STEPS = 8  # a sliced pass is sized to about this many steps' prefill bud
 
 class Step(NamedTuple):
     decode: list[Sequence]
-    prefill: list[tuple[Sequence, int]]  # (sequence, tokens to compute from its `computed`)
-    # Seconds of prefill this step may take, when that is less than the one segment in `prefill` (or the pass in
-    # flight) costs: the pass runs as many of its layers as fit, the rest in later steps. None: passes run whole.
+    prefill: list[tuple[Sequence, int]]  # (sequence, tokens to compute from its `computed`), each run whole
+    sliced: tuple[Sequence, int] | None = None  # a segment to start as a sliced pass (none while one is in flight)
+    # The seconds left for the sliced pass (new or in flight) after `prefill`: it runs as many of its layers as
+    # fit, at least one. None: a pass in flight runs to its end.
     slice_s: float | None = None
 
 
@@ -117,22 +119,19 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def schedule(self, cost: StepCost | None = None, pass_in_flight: bool = False) -> Step:
+    def schedule(self, cost: StepCost | None = None, in_pass: Collection[Sequence] = ()) -> Step:
         """The next step's batch; `cost` (measured step costs) sizes the prefill segments by time while
-        sequences decode. With a sliced pass in flight, no segment starts: the step gives the pass its budget
-        (None while nothing decodes: it runs to its end)."""
+        sequences decode. `in_pass`: the sequences of a sliced pass in flight (they get no segment; the step
+        gives the pass what its budget has left, or, untimed, lets it run to its end before any other
+        segment)."""
         decode = [s for s in self.running if not s.prefilling]
         p = self.policy
         decode_s = cost.decode_s(len(decode)) if cost is not None and decode else None
         if decode_s is not None and not p.batch_invariant and cost.prefill_s(1, 1) is not None:
             prefilling = len(self.running) - len(decode)
             share = max(1.0, prefilling / len(decode))
-            seconds = p.prefill_step_ratio * decode_s * share
-            if pass_in_flight:
-                return Step(decode, [], seconds)
-            prefill, sliced = self._timed_prefill(cost, seconds)
-            return Step(decode, prefill, seconds if sliced else None)
-        if pass_in_flight:
+            return self._timed_prefill(decode, cost, p.prefill_step_ratio * decode_s * share, in_pass)
+        if in_pass:
             return Step(decode, [])
         budget = (p.step_tokens - len(decode)) if decode else p.solo_tokens
         prefill = []
@@ -149,16 +148,19 @@ class Scheduler:
             budget -= n
         return Step(decode, prefill)
 
-    def _timed_prefill(self, cost: StepCost, seconds: float) -> tuple[list[tuple[Sequence, int]], bool]:
+    def _timed_prefill(self, decode: list[Sequence], cost: StepCost, seconds: float,
+                       in_pass: Collection[Sequence]) -> Step:
         """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
-        admission order the largest segment size that fits what is left (its rest of the prompt if that fits).
-        If not even the first one's smallest fits, it alone gets the largest size predicted within SLICED_STEPS
-        times `seconds` (at least the smallest), to be sliced by layers (True), so a prefill progresses whatever
-        the decode costs."""
+        admission order (but those of the pass in flight) the largest segment size that fits what is left (its
+        rest of the prompt if that fits). With no pass in flight, the oldest one whose smallest size does not
+        fit gets a sliced pass: the largest size predicted within SLICED_STEPS times the step's budget (at least
+        the smallest), so a prefill progresses whatever the decode costs. The sliced pass, new or in flight,
+        gets the seconds left."""
         sizes = self.policy.segment_sizes()
-        prefill = []
+        budget = seconds
+        prefill, sliced = [], None
         for seq in self.running:
-            if not seq.prefilling:
+            if not seq.prefilling or seq in in_pass:
                 continue
             left = seq.target - seq.computed
 
@@ -168,15 +170,14 @@ class Scheduler:
             candidates = list(dict.fromkeys(min(n, left) for n in sizes))
             fitting = [n for n in candidates if predicted(n) <= seconds]
             if fitting:
-                n = fitting[-1]
-            elif not prefill:
-                sliced = [n for n in candidates if predicted(n) <= SLICED_STEPS * seconds]
-                return [(seq, sliced[-1] if sliced else candidates[0])], True
-            else:
-                continue
-            prefill.append((seq, n))
-            seconds -= predicted(n)
-        return prefill, False
+                prefill.append((seq, fitting[-1]))
+                seconds -= predicted(fitting[-1])
+            elif sliced is None and not in_pass:
+                within = [n for n in candidates if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
+                sliced = (seq, within[-1] if within else candidates[0])
+        if sliced is None and not in_pass:
+            return Step(decode, prefill)
+        return Step(decode, prefill, sliced, max(seconds, 0.0))
 
     def youngest(self) -> Sequence | None:
         return self.running[-1] if self.running else None
