@@ -170,8 +170,8 @@ class Scheduler:
             candidates = list(dict.fromkeys(min(n, left) for n in sizes))
             fitting = [n for n in candidates if predicted(n) <= seconds]
             if fitting:
+                seconds -= predicted(fitting[-1])  # (before it joins `prefill`: the first segment pays d)
                 prefill.append((seq, fitting[-1]))
-                seconds -= predicted(fitting[-1])
             elif sliced is None and not in_pass:
                 within = [n for n in candidates if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
                 sliced = (seq, within[-1] if within else candidates[0])
