@@ -364,6 +364,14 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     assert e._pass is None and slices._value.get() == L and seq.computed == 300
     assert await first_token(seq) == want  # the same token, and the same logits' digest
 
+    e = engine()  # a short prompt's segment runs whole beside the sliced pass: its first token comes at once
+    seq, short = admitted(e, long), admitted(e, prompt(72, 40))
+    e._step(Step([], [(short, 40)], (seq, 300), slice_s=1e-9))
+    assert e._pass is not None and short.computed == 40 and short.generated == 1 and seq.computed == 0
+    while e._pass is not None:
+        e._step(Step([], [], slice_s=1e-9))
+    assert seq.computed == 300 and seq.generated == 1
+
     e = engine()
     seq = admitted(e, long)
     e._step(Step([], [], (seq, 300), slice_s=1e-9))
