@@ -63,7 +63,7 @@ class Admission(NamedTuple):
 
 
 SLICED_STEPS = 8  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend
-# and read the weights for more tokens at once, but while one is in flight newcomers' prefills wait for it
+# and read the weights for more tokens at once, but while one is in flight another long prompt waits for it
 
 
 class Step(NamedTuple):
