@@ -35,14 +35,15 @@ def key_block_for(view: int, key_block: int) -> int:
     return block
 
 
-def prefer_absorbed(cfg: ModelConfig, T: int, S: int, kernel: bool = False) -> bool:
+def prefer_absorbed(cfg: ModelConfig, T: int, S: int, kernel: bool = False, expanded_kernel: bool = False) -> bool:
     """Absorbed (W_UK into q, W_UV after attention) costs ~T*S*(2C+R) + T*C*(H+V) multiply-adds per head;
     expanded (K and V materialised from c_kv) costs ~S*C*(H+V) + T*S*(H+R+V). Short chunks over long
     prefixes (decode, a short suffix after a hit) favour absorbed; long prefill chunks favour expanded.
-    With the CPU's prefill attention kernel (`kernel`) absorbed is always taken: on `mini` it measured
-    faster than XLA's expanded form at every size tried, 2,048 tokens from scratch included (BENCHMARKS.md,
-    prefill attention kernel)."""
-    if kernel:
+    With the CPU's absorbed prefill kernel (`kernel`) but not its expanded one over pages (`expanded_kernel`:
+    the paged runner's prefill), absorbed is always taken: on `mini` it measured faster than XLA's expanded
+    form at every size tried, 2,048 tokens from scratch included (BENCHMARKS.md, prefill attention kernel).
+    With both, the same rule: the two kernels run their products at about the same rate."""
+    if kernel and not expanded_kernel:
         return True
     C, R, H, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     absorbed = T * S * (2 * C + R) + T * C * (H + V)
@@ -161,6 +162,25 @@ class MLAttention(nnx.Module):
         out_NRC = cpu_kernels.mla_prefill_paged_attention(q_NRA, pool_PBA, tables_MQ, positions_MT, self.scale,
                                                           view, self.kv_lora_rank)
         return self._output(self._latent_values(out_NRC.astype(dtype)))
+
+    def expands_pages(self, pool_PBA: jax.Array) -> bool:
+        """Whether `attend_pages_expanded` can run over this pool: `reads_pages`, and widths its kernel takes."""
+        widths = (self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank)
+        return (self.reads_pages(pool_PBA) and all(w % 32 == 0 for w in widths)
+                and self.v_dim <= self.nope_dim + self.rope_dim <= 1024 and pool_PBA.shape[-1] <= 1024)
+
+    def attend_pages_expanded(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array,
+                              pool_PBA: jax.Array, table_Q: jax.Array, view: int) -> jax.Array:
+        """`attend` expanded for T query rows of one sequence over rows [0, view) of its pages, table_Q, of a
+        paged pool of raw bits (`reads_pages`): (T, D). The CPU's prefill kernel computes each head's keys and
+        values from the pages' latents as it lays them out: no (N, view, H + R) keys or values in memory, and
+        the expansion's products on the tiles (XLA's bfloat16 products of the expanded form cost more than the
+        attention they saved)."""
+        dtype = self.w_uk.dtype
+        q_NTK = jnp.concatenate([q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype)], axis=-1)
+        out_NTV = cpu_kernels.mla_prefill_expanded_attention(q_NTK, pool_PBA, table_Q, positions_T, self.w_uk[...],
+                                                             self.w_uv[...], self.scale, view)
+        return self._output(out_NTV)
 
     def _rows(self, rows_SA: jax.Array, dtype) -> jax.Array:
         """Cache rows at `dtype`. A cache may also hand its rows over as their raw bits (the runners' prefill

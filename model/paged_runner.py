@@ -264,12 +264,16 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     """Attention of M tiles of query rows (R = M * tile rows from `_project_paged`; each tile belongs to one
     sequence and reads that sequence's pages), then the feed-forward over all R rows at once: (R, D). `form`
     "pages": absorbed, by the CPU's prefill kernel, every tile in one call reading the pages in place
-    (MLAttention.attend_pages); "absorbed" or "expanded": the dense runner's attention, batched over M, each
+    (MLAttention.attend_pages); "expanded_pages": expanded, by the kernel, one tile, pages in place
+    (MLAttention.attend_pages_expanded); "absorbed" or "expanded": the dense runner's attention, batched over M, each
     tile's pages gathered into a (view, A) view. A pass in the pages form measured 1.10-1.61x faster on `mini`
     (BENCHMARKS.md, prefill passes)."""
     attn = layer.attn
     if form == "pages":
         x_RD = x_RD + attn.attend_pages(q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, view)
+        return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
+    if form == "expanded_pages":  # one tile (M = 1)
+        x_RD = x_RD + attn.attend_pages_expanded(q_nope_NRH, q_pe_NRR, positions_MT[0], pool_PBA, tables_MQ[0], view)
         return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
     M, T = positions_MT.shape
     kv_MSA = _bits_view(pool_PBA, tables_MQ)  # (M, view, A)
@@ -329,6 +333,9 @@ DECODE_VIEW_STEPS = 4  # decode view sizes per doubling past 512 rows: at most 1
 MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass at most: 512 rows, as a chunk
 MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
 MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass reads (or gathers) per tile
+# Chunks of the expanded form over pages, at most: its kernel computes each head's keys and values of the
+# chunk's whole view, so a 2,048-token segment at 16K context in chunks of 512 expanded the view four times
+EXPANDED_CHUNK = 2048
 
 
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
@@ -399,6 +406,8 @@ class PagedRunner:
         self.prefill_reads_pages = ok if prefill_in_place is None else prefill_in_place
         if self.prefill_reads_pages and not ok:
             raise ValueError("prefill attention in place was asked for but the prefill kernel cannot read this pool")
+        # The expanded form in place too, where the kernel takes the model's widths: long chunks take it
+        self.prefill_expands_pages = self.prefill_reads_pages and model.layers[0].attn.expands_pages(pool.layers[0])
 
     @property
     def decode_attention(self) -> str:
@@ -531,7 +540,14 @@ class PagedRunner:
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
             raise ValueError(f"{len(pages)} pages cannot hold {end} tokens")
-        sizes = self._chunk_sizes(n, end)
+        view = view_bucket(end, self.page)
+        absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel, self.prefill_expands_pages)
+                    if self.dense.attention == "auto" else self.dense.attention == "absorbed")
+        # the kernel reads the pages: no view gathered
+        in_place = self.prefill_reads_pages and n > 1 and (absorbed or self.prefill_expands_pages)
+        form = "pages" if absorbed else "expanded_pages"
+        # The expanded kernel computes the keys and values of a chunk's whole view: longer chunks, fewer times
+        sizes = self._chunk_sizes(n, end, EXPANDED_CHUNK if in_place and not absorbed else None)
         offsets = np.cumsum([0, *sizes[:-1]]).tolist()  # each chunk's first token, from start
         padded = np.pad(tokens, (0, sum(sizes) - n))
         chunks = [_embed(self.dense.embed_VD, jnp.asarray(padded[o:o + T], jnp.int32)) for o, T in zip(offsets, sizes)]
@@ -539,11 +555,7 @@ class PagedRunner:
         slots = [jnp.asarray(self._slots(p, pages, end)) for p in positions]
         positions = [jnp.asarray(p) for p in positions]
         count = len(sizes)
-        view = view_bucket(end, self.page)
-        absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel) if self.dense.attention == "auto"
-                    else self.dense.attention == "absorbed")
         key_block = self.dense.key_block
-        in_place = absorbed and self.prefill_reads_pages and n > 1  # the kernel reads the pages: no view gathered
         if in_place:
             # The kernel reads each row's own causal range (its position), whatever the table's width: one
             # width, the longest the pool and the model allow, so a chunk size compiles once, not once per
@@ -561,7 +573,7 @@ class PagedRunner:
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
             if in_place:
-                chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, tables_1Q, views[i], "pages",
+                chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, tables_1Q, views[i], form,
                                              positions_1T[i]) for i in range(count)]
             else:
                 kv_SA = _gather_view(pool_PBA, table)
@@ -573,13 +585,13 @@ class PagedRunner:
             return chunks[-1]
         return self.dense.logits(chunks[-1], (n - 1) - offsets[-1])
 
-    def _chunk_sizes(self, n: int, end: int) -> list[int]:
+    def _chunk_sizes(self, n: int, end: int, longest: int | None = None) -> list[int]:
         """Rows of each chunk of an n-token segment ending at `end`: chunks of the dense runner's size (a power of
         two), the last one cut to the rest in whole pages (a power of two up to a page). Padded to a power of two,
         a 300-token segment cost what 512 tokens do (167 against 174 ms on `mini`) and 600 what 1,024 do."""
         if n == 1:
             return [1]
-        T = min(self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
+        T = min(longest or self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
         full = (n - 1) // T  # chunks before the last
         rest = n - full * T
         last = _pow2(max(rest, MIN_CHUNK)) if rest <= self.page else -(-rest // self.page) * self.page

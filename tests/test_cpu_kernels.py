@@ -399,3 +399,76 @@ def test_paged_prefill_attention_refuses_a_table_or_pool_it_cannot_read(page, ta
     with pytest.raises(Exception, match=why):
         paged_prefill_attention(q, pool.reshape(8, page, 64), tables, np.arange(16, dtype=np.int32)[None] + 64,
                                 0.1, view, 32)
+
+
+def expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, scale, view):
+    return np.asarray(jax.jit(cpu_kernels.mla_prefill_expanded_attention, static_argnums=(6, 7))(
+        q, pool, table, pos, w_uk, w_uv, scale, view))
+
+
+def expanded_problem(rng, N, T, page, P, Q, Cl=512, R=64, H=128, V=128):
+    """A pool of random latents, a table of Q of its pages, MLA's up-projections and queries (bfloat16)."""
+    pool_kv, pool = latents(rng, P * page, Cl + R)
+    table = rng.choice(np.arange(1, P), Q, replace=False).astype(np.int32)
+    w_uk = jnp.asarray(rng.standard_normal((Cl, N, H)) * 0.05, jnp.bfloat16)
+    w_uv = jnp.asarray(rng.standard_normal((Cl, N, V)) * 0.05, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((N, T, H + R)) * 0.3, jnp.bfloat16)
+    return pool_kv.reshape(P, page, -1), pool.reshape(P, page, -1), table, w_uk, w_uv, q
+
+
+def expanded_reference(q, kv, w_uk, w_uv, pos, scale, view):
+    """Keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV rounded to bfloat16 (as the expanded form keeps them),
+    then attention in float64."""
+    kv = np.asarray(jnp.asarray(kv).astype(jnp.float32), np.float64)[:view]
+    Cl = w_uk.shape[0]
+    w_uk, w_uv = np.asarray(w_uk.astype(jnp.float32), np.float64), np.asarray(w_uv.astype(jnp.float32), np.float64)
+    bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    k_nope = bf16(np.einsum("sc,cnh->nsh", kv[:, :Cl], w_uk))
+    keys = np.concatenate([k_nope, np.broadcast_to(kv[None, :, Cl:], (k_nope.shape[0], view, kv.shape[1] - Cl))], -1)
+    values = bf16(np.einsum("sc,cnv->nsv", kv[:, :Cl], w_uv))
+    s = np.einsum("ntk,nsk->nts", np.asarray(q.astype(jnp.float32), np.float64), keys) * scale
+    s = np.where(np.arange(view)[None, None, :] <= np.asarray(pos)[None, :, None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("nts,nsv->ntv", w / w.sum(-1, keepdims=True), values)
+
+
+@needs_amx
+@pytest.mark.parametrize("N, T, page, view, start", [
+    (8, 64, 64, 1024, 960),   # mini's widths: a chunk at the end of its view
+    (8, 37, 64, 650, 600),    # T not a multiple of 16; positions past the view (its last step zero-filled)
+    (2, 300, 128, 700, 0),    # the first chunk of a prompt over several groups of 256 rows; pages of 128 rows
+])
+def test_expanded_prefill_attention_matches_a_float64_reference(N, T, page, view, start):
+    """Each head's keys and values computed from the pages' latents inside the kernel, then its attention."""
+    rng = np.random.default_rng(T)
+    pool_kv, pool, table, w_uk, w_uv, q = expanded_problem(rng, N, T, page, P=24, Q=-(-view // page))
+    pos = np.asarray(start + np.arange(T), np.int32)
+    got = expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, 0.07, view)
+    want = expanded_reference(q, pool_kv[table].reshape(-1, pool.shape[-1]), w_uk, w_uv, np.minimum(pos, view - 1),
+                              0.07, view)
+    assert got.shape == (N, T, 128) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=8e-3 * np.abs(want).max(), rtol=0)
+
+
+@needs_amx
+def test_expanded_prefill_attention_gives_a_query_the_same_bits_whatever_else_shares_its_call():
+    """Its own query, position and pages alone: not the other tokens or heads, nor how the chunk is cut."""
+    rng = np.random.default_rng(3)
+    _, pool, table, w_uk, w_uv, q = expanded_problem(rng, 4, 48, 64, P=20, Q=16)
+    pos = np.asarray(900 + np.arange(48), np.int32)
+    together = expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, 0.07, 1000)
+    half = expanded_prefill_attention(q[:, 16:], pool, table, pos[16:], w_uk, w_uv, 0.07, 1000)
+    assert np.array_equal(half, together[:, 16:])
+    one = expanded_prefill_attention(q[:, 47:], pool, table, pos[47:], w_uk, w_uv, 0.07, 1000)
+    assert np.array_equal(one[:, 0], together[:, 47])
+
+
+@needs_amx
+@pytest.mark.parametrize("table_page, view, why", [(30, 128, "outside the pool"), (-1, 128, "outside the pool"),
+                                                   (1, 192, "valid <= Q \\* B")])
+def test_expanded_prefill_attention_refuses_a_table_it_cannot_read(table_page, view, why):
+    rng = np.random.default_rng(1)
+    _, pool, _, w_uk, w_uv, q = expanded_problem(rng, 2, 16, 64, P=8, Q=2)
+    with pytest.raises(Exception, match=why):
+        expanded_prefill_attention(q, pool, np.asarray([1, table_page], np.int32), np.arange(16, dtype=np.int32) + 64,
+                                   w_uk, w_uv, 0.1, view)
