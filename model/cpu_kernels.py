@@ -10,8 +10,9 @@
 - `mla_prefill_attention` and `mla_prefill_paged_attention` (kernels/mla_prefill_attention.cc, AMX only) are
   absorbed prefill attention, flash attention on AMX tiles: over a latent view, or over several sequences'
   pages of the pool read in place, each tile of query tokens over its own sequence's pages.
-  `mla_prefill_expanded_attention` (same file) is the expanded form (each head over its own keys and values,
-  materialised from the latents): a third of the absorbed form's products, so long prefill chunks take it.
+  `mla_expand_pages` and `mla_prefill_expanded_attention` (same file) are the expanded form: each head's keys
+  and values computed from the pages' latents on the tiles, laid out once per layer for all of a segment's
+  chunks, then each head over its own; a third of the absorbed form's products, so long prefill chunks take it.
 
 They are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
 (-march=native) into one library in the compilation cache's directory, keyed by everything that shapes
@@ -47,6 +48,7 @@ FEW_ROWS_TARGET = "deepinfer_few_row_product"
 PREFILL_TARGET = "deepinfer_mla_prefill_attention"
 PAGED_PREFILL_TARGET = "deepinfer_mla_prefill_paged_attention"
 EXPANDED_PREFILL_TARGET = "deepinfer_mla_prefill_expanded_attention"
+EXPAND_PAGES_TARGET = "deepinfer_mla_expand_pages"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
 LANES = 16  # the kernel works in vectors of 16 floats: its A and C must be multiples
 
@@ -112,6 +114,7 @@ def _load() -> tuple[bool, str]:
                                     platform="cpu")
         jax.ffi.register_ffi_target(EXPANDED_PREFILL_TARGET,
                                     jax.ffi.pycapsule(library.MlaPrefillExpandedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(EXPAND_PAGES_TARGET, jax.ffi.pycapsule(library.MlaExpandPages), platform="cpu")
         _state["prefill"] = bool(library.MlaPrefillAttentionAvailable())  # AMX only
         _state["decode_amx"] = bool(library.PagedMlaDecodeAmxAvailable())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -197,23 +200,33 @@ def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax
         valid=np.int64(view), C=np.int64(value_dim))
 
 
-def mla_prefill_expanded_attention(q_NTK: jax.Array, pool_PBA: jax.Array, table_Q: jax.Array, positions_T: jax.Array,
-                                   w_uk_CNH: jax.Array, w_uv_CNV: jax.Array, scale: float, view: int) -> jax.Array:
-    """Expanded MLA attention of T query tokens' N heads (q_NTK = [q_nope | q_pe], bfloat16) over rows [0,
-    min(position + 1, view)) of one sequence's pages of the pool (raw bfloat16 bits, read in place through
-    table_Q): each head's keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV computed from the latents inside the
-    kernel, on the tiles, as it lays them out. The softmax-weighted values (N, T, V) float32, normalised
-    (kernels/mla_prefill_attention.cc)."""
-    N, T, _ = q_NTK.shape
-    C, _, H = w_uk_CNH.shape
+def mla_expand_pages(pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, w_uk_CNH: jax.Array,
+                     w_uv_CNV: jax.Array, rows: int) -> jax.Array:
+    """Each head's expanded keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV of the first `end` (a traced
+    int32 scalar, <= rows) rows of one sequence's pages of the pool (raw bfloat16 bits, read in place through
+    table_Q), computed on the tiles and laid out as mla_prefill_expanded_attention reads them: (N, rows, H + R
+    + V) raw bfloat16 bits (kernels/mla_prefill_attention.cc). Rows past end's 64-row step are not written."""
+    C, N, H = w_uk_CNH.shape
     V = w_uv_CNV.shape[-1]
+    A = H + pool_PBA.shape[-1] - C
     # W_UK^T as A tiles (N, H / 16, C / 32, 16 dims, 32 latent columns); W_UV as B tiles (N, V / 16, C / 32, 16
     # column pairs, 16 value columns, 2): the products' operands as the tiles load them
     w_uk = w_uk_CNH.astype(jnp.bfloat16).reshape(C // 32, 32, N, H // 16, 16).transpose(2, 3, 0, 4, 1)
     w_uv = w_uv_CNV.astype(jnp.bfloat16).reshape(C // 32, 16, 2, N, V // 16, 16).transpose(3, 4, 0, 1, 5, 2)
-    return jax.ffi.ffi_call(EXPANDED_PREFILL_TARGET, jax.ShapeDtypeStruct((N, T, V), jnp.float32))(
-        q_NTK.astype(jnp.bfloat16), pool_PBA, table_Q.astype(jnp.int32), positions_T.astype(jnp.int32), w_uk, w_uv,
-        scale=np.float32(scale), valid=np.int64(view), H=np.int64(H))
+    return jax.ffi.ffi_call(EXPAND_PAGES_TARGET, jax.ShapeDtypeStruct((N, rows, A + V), jnp.uint16))(
+        pool_PBA, table_Q.astype(jnp.int32), jnp.reshape(end, (1,)).astype(jnp.int32), w_uk, w_uv)
+
+
+def mla_prefill_expanded_attention(q_NTK: jax.Array, laid_NSX: jax.Array, positions_T: jax.Array,
+                                   scale: float) -> jax.Array:
+    """Expanded MLA attention of T query tokens' N heads (q_NTK = [q_nope | q_pe], bfloat16) over rows [0,
+    position + 1) of each head's keys and values laid out by mla_expand_pages (positions below its `end`): the
+    softmax-weighted values (N, T, V) float32, normalised (kernels/mla_prefill_attention.cc, the absorbed
+    kernel's flash attention with each head a problem of its own)."""
+    N, T, A = q_NTK.shape
+    return jax.ffi.ffi_call(EXPANDED_PREFILL_TARGET,
+                            jax.ShapeDtypeStruct((N, T, laid_NSX.shape[-1] - A), jnp.float32))(
+        q_NTK.astype(jnp.bfloat16), laid_NSX, positions_T.astype(jnp.int32), scale=np.float32(scale))
 
 
 def mla_prefill_paged_attention(q_NRA: jax.Array, pool_PBA: jax.Array, tables_MQ: jax.Array, positions_MT: jax.Array,

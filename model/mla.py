@@ -164,23 +164,25 @@ class MLAttention(nnx.Module):
         return self._output(self._latent_values(out_NRC.astype(dtype)))
 
     def expands_pages(self, pool_PBA: jax.Array) -> bool:
-        """Whether `attend_pages_expanded` can run over this pool: `reads_pages`, and widths its kernel takes."""
+        """Whether `expand_pages` can run over this pool: `reads_pages`, and widths its kernel takes."""
         widths = (self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank)
         return (self.reads_pages(pool_PBA) and all(w % 32 == 0 for w in widths)
                 and self.v_dim <= self.nope_dim + self.rope_dim <= 1024 and pool_PBA.shape[-1] <= 1024)
 
-    def attend_pages_expanded(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array,
-                              pool_PBA: jax.Array, table_Q: jax.Array, view: int) -> jax.Array:
-        """`attend` expanded for T query rows of one sequence over rows [0, view) of its pages, table_Q, of a
-        paged pool of raw bits (`reads_pages`): (T, D). The CPU's prefill kernel computes each head's keys and
-        values from the pages' latents as it lays them out: no (N, view, H + R) keys or values in memory, and
-        the expansion's products on the tiles (XLA's bfloat16 products of the expanded form cost more than the
-        attention they saved)."""
+    def expand_pages(self, pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, rows: int) -> jax.Array:
+        """The expanded form's keys and values of a sequence's first `end` rows (<= rows) of its pages, table_Q,
+        computed by the CPU's prefill kernel from the latents on the tiles and laid out for `attend_laid`: raw
+        bits (N, rows, H + R + V). XLA's bfloat16 products of the expansion had cost more than the attention they
+        saved (a 16K view: 149 ms a layer, against 139 ms for the expanded attention and 410 for the absorbed)."""
+        return cpu_kernels.mla_expand_pages(pool_PBA, table_Q, end, self.w_uk[...], self.w_uv[...], rows)
+
+    def attend_laid(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array,
+                    laid_NSX: jax.Array) -> jax.Array:
+        """`attend` expanded for T query rows of one sequence (positions below the `end` of `expand_pages`) over
+        its keys and values laid out by `expand_pages`: (T, D)."""
         dtype = self.w_uk.dtype
         q_NTK = jnp.concatenate([q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype)], axis=-1)
-        out_NTV = cpu_kernels.mla_prefill_expanded_attention(q_NTK, pool_PBA, table_Q, positions_T, self.w_uk[...],
-                                                             self.w_uv[...], self.scale, view)
-        return self._output(out_NTV)
+        return self._output(cpu_kernels.mla_prefill_expanded_attention(q_NTK, laid_NSX, positions_T, self.scale))
 
     def _rows(self, rows_SA: jax.Array, dtype) -> jax.Array:
         """Cache rows at `dtype`. A cache may also hand its rows over as their raw bits (the runners' prefill

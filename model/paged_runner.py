@@ -264,16 +264,12 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     """Attention of M tiles of query rows (R = M * tile rows from `_project_paged`; each tile belongs to one
     sequence and reads that sequence's pages), then the feed-forward over all R rows at once: (R, D). `form`
     "pages": absorbed, by the CPU's prefill kernel, every tile in one call reading the pages in place
-    (MLAttention.attend_pages); "expanded_pages": expanded, by the kernel, one tile, pages in place
-    (MLAttention.attend_pages_expanded); "absorbed" or "expanded": the dense runner's attention, batched over M, each
+    (MLAttention.attend_pages); "absorbed" or "expanded": the dense runner's attention, batched over M, each
     tile's pages gathered into a (view, A) view. A pass in the pages form measured 1.10-1.61x faster on `mini`
     (BENCHMARKS.md, prefill passes)."""
     attn = layer.attn
     if form == "pages":
         x_RD = x_RD + attn.attend_pages(q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, view)
-        return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
-    if form == "expanded_pages":  # one tile (M = 1)
-        x_RD = x_RD + attn.attend_pages_expanded(q_nope_NRH, q_pe_NRR, positions_MT[0], pool_PBA, tables_MQ[0], view)
         return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
     M, T = positions_MT.shape
     kv_MSA = _bits_view(pool_PBA, tables_MQ)  # (M, view, A)
@@ -288,6 +284,21 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
 
 
+def _expand_pages(layer, pool_PBA, table_Q, end, rows):
+    return layer.attn.expand_pages(pool_PBA, table_Q, end, rows)
+
+
+def _attend_laid(layer, q_nope_NTH, q_pe_NTR, laid_NSX, positions_T):
+    """A chunk's expanded attention over its sequence's keys and values laid out by `_expand_pages`: (T, D).
+    Apart from the feed-forward (`_finish_attended`), so that only this small call compiles per view bucket."""
+    return layer.attn.attend_laid(q_nope_NTH, q_pe_NTR, positions_T, laid_NSX)
+
+
+def _finish_attended(layer, x_TD, attended_TD):
+    x_TD = x_TD + attended_TD
+    return x_TD + layer.mlp(layer.post_attn_norm(x_TD))
+
+
 def _head_rows(head, x_RD, rows_K):
     """Logits (K, V) float32 of rows rows_K."""
     return head.lm_head(head.norm(x_RD[rows_K])).astype(jnp.float32)
@@ -298,16 +309,21 @@ class PagedLayerCalls(NamedTuple):
     dense: LayerCalls
     project: Callable  # (x_TD, pool_PBA (donated), positions_T, slots_T) -> q_nope_NTH, q_pe_NTR, pool_PBA
     finish_tiles: Callable  # (x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, form, positions_MT)
+    expand: Callable  # (pool_PBA, table_Q, end, rows) -> laid_NSX: the expanded form's keys and values
+    attend_laid: Callable  # (q_nope_NTH, q_pe_NTR, laid_NSX, positions_T) -> (T, D)
+    finish_attended: Callable  # (x_TD, attended_TD) -> (T, D): the residual and the feed-forward
 
     @classmethod
     def of(cls, layer: SplitModule, dense: LayerCalls) -> "PagedLayerCalls":
         return cls(dense, layer.jit(_project_paged, donate_argnums=(1,)),
-                   layer.jit(_finish_tiles, static_argnums=(5, 6)))
+                   layer.jit(_finish_tiles, static_argnums=(5, 6)), layer.jit(_expand_pages, static_argnums=(3,)),
+                   layer.jit(_attend_laid), layer.jit(_finish_attended))
 
 
 PrefillLayers = Generator[object, None, jax.Array]
-"""A prefill pass one layer at a time: each `next` dispatches one layer and yields its output (to block on, to
-time it); the pass returns its result once every layer is in. Between layers the caller may dispatch other
+"""A prefill pass one unit at a time (a layer, or a chunk of a layer: `PagedRunner.prefill_units`): each `next`
+dispatches one unit and yields its output (to block on, to time it); the pass returns its result once every
+unit is in. Between layers the caller may dispatch other
 work, such as a decode step (each layer reads the pool's arrays as they are when it runs, and writes only its
 own sequences' rows); a pass closed part-way has written its rows into some layers only: its sequences must
 compute them again."""
@@ -333,9 +349,6 @@ DECODE_VIEW_STEPS = 4  # decode view sizes per doubling past 512 rows: at most 1
 MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass at most: 512 rows, as a chunk
 MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
 MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass reads (or gathers) per tile
-# Chunks of the expanded form over pages, at most: its kernel computes each head's keys and values of the
-# chunk's whole view, so a 2,048-token segment at 16K context in chunks of 512 expanded the view four times
-EXPANDED_CHUNK = 2048
 
 
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
@@ -531,23 +544,17 @@ class PagedRunner:
 
     def prefill_layers(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> PrefillLayers:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
-        writes their latents into `pages`. Absorbed with the CPU's prefill kernel, attention reads the pages in
-        place (`_finish_tiles`, one tile per chunk; a single token takes XLA's path, as the dense runner's does);
-        otherwise over the pages gathered into a view once per layer. Yields after each layer's dispatch
-        (`PrefillLayers`); returns the logits (V,) at the last position if asked, else the last chunk's output
+        writes their latents into `pages`. With the CPU's prefill kernel attention reads the pages in place:
+        absorbed (`_finish_tiles`, one tile per chunk), or expanded (`_expand_pages` once per layer, then each
+        chunk over its keys and values); a single token takes XLA's path, as the dense runner's does. Otherwise
+        attention reads the pages gathered into a view once per layer. Yields after each unit's dispatch
+        (`PrefillLayers`: a chunk of a layer in place, else a layer; `prefill_units`); returns the logits (V,) at the last position if asked, else the last chunk's output
         (T, D): dispatched, not waited for; a caller that times the segment blocks on it."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
             raise ValueError(f"{len(pages)} pages cannot hold {end} tokens")
-        view = view_bucket(end, self.page)
-        absorbed = (prefer_absorbed(self.cfg, n, view, self.dense.prefill_kernel, self.prefill_expands_pages)
-                    if self.dense.attention == "auto" else self.dense.attention == "absorbed")
-        # the kernel reads the pages: no view gathered
-        in_place = self.prefill_reads_pages and n > 1 and (absorbed or self.prefill_expands_pages)
-        form = "pages" if absorbed else "expanded_pages"
-        # The expanded kernel computes the keys and values of a chunk's whole view: longer chunks, fewer times
-        sizes = self._chunk_sizes(n, end, EXPANDED_CHUNK if in_place and not absorbed else None)
+        absorbed, in_place, sizes = self._prefill_plan(n, end)
         offsets = np.cumsum([0, *sizes[:-1]]).tolist()  # each chunk's first token, from start
         padded = np.pad(tokens, (0, sum(sizes) - n))
         chunks = [_embed(self.dense.embed_VD, jnp.asarray(padded[o:o + T], jnp.int32)) for o, T in zip(offsets, sizes)]
@@ -555,6 +562,8 @@ class PagedRunner:
         slots = [jnp.asarray(self._slots(p, pages, end)) for p in positions]
         positions = [jnp.asarray(p) for p in positions]
         count = len(sizes)
+        view = view_bucket(end, self.page)
+        rows = view  # the expanded form's keys and values: one shape per view bucket
         key_block = self.dense.key_block
         if in_place:
             # The kernel reads each row's own causal range (its position), whatever the table's width: one
@@ -565,6 +574,7 @@ class PagedRunner:
         views = [view if in_place else min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
         if in_place:  # one tile per chunk
             tables_1Q, positions_1T = table[None], [p[None] for p in positions]
+        end_ = jnp.asarray(end, jnp.int32)
         for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
@@ -572,26 +582,51 @@ class PagedRunner:
                 q_nope_NTH, q_pe_NTR, pool_PBA = calls.project(chunks[i], pool_PBA, positions[i], slots[i])
                 queries.append((q_nope_NTH, q_pe_NTR))
             self.pool.layers[layer] = pool_PBA
-            if in_place:
-                chunks = [calls.finish_tiles(chunks[i], *queries[i], pool_PBA, tables_1Q, views[i], form,
-                                             positions_1T[i]) for i in range(count)]
+            if in_place and absorbed:  # a unit per chunk
+                for i in range(count):
+                    # the pool's array as it is now: a decode step between units donates (replaces) it
+                    chunks[i] = calls.finish_tiles(chunks[i], *queries[i], self.pool.layers[layer], tables_1Q,
+                                                   views[i], "pages", positions_1T[i])
+                    yield chunks[i]
+            elif in_place:  # expanded: the layer's keys and values once (with its first chunk), a unit per chunk
+                laid_NSX = calls.expand(pool_PBA, table, end_, rows)
+                for i in range(count):
+                    chunks[i] = calls.finish_attended(chunks[i], calls.attend_laid(*queries[i], laid_NSX,
+                                                                                  positions[i]))
+                    yield chunks[i]
             else:
                 kv_SA = _gather_view(pool_PBA, table)
                 expanded = None if absorbed else calls.dense.expand(kv_SA, view)
                 chunks = [calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
                                              expanded, key_block) for i in range(count)]
-            yield chunks
+                yield chunks
         if not want_logits:
             return chunks[-1]
         return self.dense.logits(chunks[-1], (n - 1) - offsets[-1])
 
-    def _chunk_sizes(self, n: int, end: int, longest: int | None = None) -> list[int]:
+    def _prefill_plan(self, n: int, end: int) -> tuple[bool, bool, list[int]]:
+        """How `prefill_layers` computes an n-token segment ending at `end`: (absorbed, in place, chunk sizes).
+        The form by `prefer_absorbed` (the expanded one where the kernel can compute it over the pages); in place
+        where the kernel reads the pages for that form (more than one token)."""
+        absorbed = (prefer_absorbed(self.cfg, n, view_bucket(end, self.page), self.dense.prefill_kernel,
+                                    self.prefill_expands_pages)
+                    if self.dense.attention == "auto" else self.dense.attention == "absorbed")
+        in_place = self.prefill_reads_pages and n > 1 and (absorbed or self.prefill_expands_pages)
+        return absorbed, in_place, self._chunk_sizes(n, end)
+
+    def prefill_units(self, n: int, end: int) -> int:
+        """The units (`next` calls before the result) of `prefill_layers` for an n-token segment ending at `end`:
+        a layer's chunk each where attention reads the pages in place, else a layer each."""
+        _, in_place, sizes = self._prefill_plan(n, end)
+        return len(self._layer_calls) * (len(sizes) if in_place else 1)
+
+    def _chunk_sizes(self, n: int, end: int) -> list[int]:
         """Rows of each chunk of an n-token segment ending at `end`: chunks of the dense runner's size (a power of
         two), the last one cut to the rest in whole pages (a power of two up to a page). Padded to a power of two,
         a 300-token segment cost what 512 tokens do (167 against 174 ms on `mini`) and 600 what 1,024 do."""
         if n == 1:
             return [1]
-        T = min(longest or self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
+        T = min(self.dense.chunk_size(end), _pow2(max(n, MIN_CHUNK)))
         full = (n - 1) // T  # chunks before the last
         rest = n - full * T
         last = _pow2(max(rest, MIN_CHUNK)) if rest <= self.page else -(-rest // self.page) * self.page

@@ -401,9 +401,13 @@ def test_paged_prefill_attention_refuses_a_table_or_pool_it_cannot_read(page, ta
                                 0.1, view, 32)
 
 
-def expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, scale, view):
-    return np.asarray(jax.jit(cpu_kernels.mla_prefill_expanded_attention, static_argnums=(6, 7))(
-        q, pool, table, pos, w_uk, w_uv, scale, view))
+def expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, scale, view, end=None):
+    """The expanded form's two calls: the keys and values of the first `end` rows (the view by default) laid out
+    in a buffer of `view` rows, rounded up to 64, then the attention over them."""
+    rows = -(-view // 64) * 64
+    laid = jax.jit(cpu_kernels.mla_expand_pages, static_argnums=(5,))(pool, table, np.int32(end or view), w_uk, w_uv,
+                                                                       rows)
+    return np.asarray(jax.jit(cpu_kernels.mla_prefill_expanded_attention, static_argnums=(3,))(q, laid, pos, scale))
 
 
 def expanded_problem(rng, N, T, page, P, Q, Cl=512, R=64, H=128, V=128):
@@ -435,24 +439,24 @@ def expanded_reference(q, kv, w_uk, w_uv, pos, scale, view):
 @needs_amx
 @pytest.mark.parametrize("N, T, page, view, start", [
     (8, 64, 64, 1024, 960),   # mini's widths: a chunk at the end of its view
-    (8, 37, 64, 650, 600),    # T not a multiple of 16; positions past the view (its last step zero-filled)
+    (8, 37, 64, 650, 600),    # T not a multiple of 16; the last step's rows past the view zero-filled
     (2, 300, 128, 700, 0),    # the first chunk of a prompt over several groups of 256 rows; pages of 128 rows
 ])
 def test_expanded_prefill_attention_matches_a_float64_reference(N, T, page, view, start):
     """Each head's keys and values computed from the pages' latents inside the kernel, then its attention."""
     rng = np.random.default_rng(T)
     pool_kv, pool, table, w_uk, w_uv, q = expanded_problem(rng, N, T, page, P=24, Q=-(-view // page))
-    pos = np.asarray(start + np.arange(T), np.int32)
+    pos = np.minimum(start + np.arange(T), view - 1).astype(np.int32)  # positions below the expanded rows
     got = expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, 0.07, view)
-    want = expanded_reference(q, pool_kv[table].reshape(-1, pool.shape[-1]), w_uk, w_uv, np.minimum(pos, view - 1),
-                              0.07, view)
+    want = expanded_reference(q, pool_kv[table].reshape(-1, pool.shape[-1]), w_uk, w_uv, pos, 0.07, view)
     assert got.shape == (N, T, 128) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, atol=8e-3 * np.abs(want).max(), rtol=0)
 
 
 @needs_amx
 def test_expanded_prefill_attention_gives_a_query_the_same_bits_whatever_else_shares_its_call():
-    """Its own query, position and pages alone: not the other tokens or heads, nor how the chunk is cut."""
+    """Its own query, position and pages alone: not the other tokens or heads, nor how the chunk is cut, nor how
+    many rows past its position were expanded."""
     rng = np.random.default_rng(3)
     _, pool, table, w_uk, w_uv, q = expanded_problem(rng, 4, 48, 64, P=20, Q=16)
     pos = np.asarray(900 + np.arange(48), np.int32)
@@ -461,11 +465,13 @@ def test_expanded_prefill_attention_gives_a_query_the_same_bits_whatever_else_sh
     assert np.array_equal(half, together[:, 16:])
     one = expanded_prefill_attention(q[:, 47:], pool, table, pos[47:], w_uk, w_uv, 0.07, 1000)
     assert np.array_equal(one[:, 0], together[:, 47])
+    fewer = expanded_prefill_attention(q[:, :16], pool, table, pos[:16], w_uk, w_uv, 0.07, 1000, end=916)
+    assert np.array_equal(fewer, together[:, :16])
 
 
 @needs_amx
 @pytest.mark.parametrize("table_page, view, why", [(30, 128, "outside the pool"), (-1, 128, "outside the pool"),
-                                                   (1, 192, "valid <= Q \\* B")])
+                                                   (1, 192, "end <= Q \\* B")])
 def test_expanded_prefill_attention_refuses_a_table_it_cannot_read(table_page, view, why):
     rng = np.random.default_rng(1)
     _, pool, _, w_uk, w_uv, q = expanded_problem(rng, 2, 16, 64, P=8, Q=2)

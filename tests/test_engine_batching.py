@@ -313,6 +313,52 @@ def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bit
         assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
+    """With the CPU's prefill kernel reading the pages in place (widths it takes in both forms), a segment's units
+    are its chunks of every layer (`prefill_units`): run a unit at a time with another sequence's decode step
+    after each, its logits and latents are bit for bit those of the pass run whole; and within bfloat16
+    tolerance of XLA's path (the kernel off) in the same form."""
+    from model import cpu_kernels
+    if not cpu_kernels.prefill_attention_available():
+        pytest.skip("the prefill attention kernel needs AMX")
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+    checkpoint = init_model(cfg)
+    p, d = prompt(80, 400), prompt(81, 100)
+    table_p, table_d = list(range(1, 8)), list(range(9, 11))
+    out = {}
+    for how in ("whole", "sliced", "xla"):
+        model = serving_model(checkpoint, "bfloat16", prefill_kernel=how != "xla")
+        pool = LatentPool(cfg, 16, 64)
+        paged = PagedRunner(model, cfg, pool, chunk_tokens=64)
+        paged.dense.attention = form
+        assert paged.prefill_expands_pages == (how != "xla")
+        paged.prefill(p[:64], 0, table_p, False)
+        paged.prefill(d, 0, table_d, False)
+        units = paged.prefill_units(336, 400)
+        assert units == (cfg.num_layers * 6 if how != "xla" else cfg.num_layers)  # 336 tokens: 5 chunks of 64, 16
+        layers, steps, dispatched = paged.prefill_layers(p[64:], 64, table_p, True), [], 0
+        if how == "sliced":
+            while True:
+                try:
+                    next(layers)
+                except StopIteration as done:
+                    logits = np.asarray(done.value)
+                    break
+                dispatched += 1
+                steps.append(np.asarray(paged.decode([DecodeRow(5, 100 + len(steps), table_d)])))
+            assert dispatched == units
+        else:
+            logits = np.asarray(run_layers(layers))
+            steps = [np.asarray(paged.decode([DecodeRow(5, 100 + i, table_d)])) for i in range(units)]
+        latents = [np.asarray(pool.host(read)) for table in (table_p, table_d) for read in pool.read(table)]
+        out[how] = logits, steps, latents
+    (logits, steps, latents), (want_logits, want_steps, want_latents) = out["sliced"], out["whole"]
+    assert np.array_equal(logits, want_logits) and len(steps) == len(want_steps)
+    assert all(np.array_equal(g, w) for g, w in zip(steps + latents, want_steps + want_latents))
+    np.testing.assert_allclose(out["whole"][0], out["xla"][0], atol=3e-2 * np.abs(out["xla"][0]).max())
+
+
 async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is_cancelled_or_preempted(tiny, tmp_path):
     """Engine steps driven by hand (no model thread): a segment given a budget smaller than one layer's cost runs
     one layer a step and stays in flight; finished that way, its first token and logits are those of the same

@@ -141,10 +141,10 @@ def test_a_segment_that_does_not_fit_a_step_is_sliced_and_sized_to_a_few_steps_b
     s = scheduler()
     long, = running(s, (20000, 16384))
     step = s.schedule(cost)
-    # At 16K one block takes 17 ms: none fits 10 ms. The pass is sized to SLICED_STEPS (8) budgets, 80 ms:
-    # 256 tokens (68 ms; 512 take 138), computed a few layers a step with the whole budget.
-    assert step.prefill == [] and step.sliced == (long, 256) and step.slice_s == pytest.approx(0.01)
-    assert cost.prefill_s(256, 16384 + 256) <= SLICED_STEPS * 0.01 < cost.prefill_s(512, 16384 + 512)
+    # At 16K one block takes 17 ms: none fits 10 ms. The pass is sized to SLICED_STEPS (32) budgets, 320 ms:
+    # 1024 tokens (281 ms; 2048 take 582), computed a few units a step with the whole budget.
+    assert step.prefill == [] and step.sliced == (long, 1024) and step.slice_s == pytest.approx(0.01)
+    assert cost.prefill_s(1024, 16384 + 1024) <= SLICED_STEPS * 0.01 < cost.prefill_s(2048, 16384 + 2048)
     # A segment that fits is not sliced.
     s2 = scheduler()
     short, = running(s2, (3000, 0))

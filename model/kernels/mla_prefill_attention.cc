@@ -37,20 +37,23 @@
 // A query row's result depends on its own query, its position and the view alone, summed in a fixed
 // order (blocks of 64 view rows from row 0): whatever else shares the call, its bits are the same.
 //
-// MlaPrefillExpandedAttention is the expanded form over one sequence's pages: each head attends with its own
-// keys [c_kv @ W_UK | k_pe] (A = H + R wide) and values c_kv @ W_UV (V wide), 320 multiply-adds per query-key
-// pair and head against the absorbed form's 1,088. The keys and values are never in memory as such: for each
-// 64-row step of the view the latent rows are transposed once, then per head K_nope^T = W_UK^T . latent^T and
-// V = latent . W_UV are tile products written straight into the layout the attention reads (k_pe's tiles are the
-// latent's own, shared by every head), rounded to bfloat16 from float32 sums. Then each head's query rows are a
-// problem as above.
-// Inputs:  q      bf16  (N, T, A): [q_nope | q_pe], head-major
-//          pool   u16   (P, B, L): the pool's pages, L = Cl + R
+// The expanded form over one sequence's pages, in two calls: each head attends with its own keys
+// [c_kv @ W_UK | k_pe] (A = H + R wide) and values c_kv @ W_UV (V wide), 320 multiply-adds per query-key pair and
+// head against the absorbed form's 1,088.
+// MlaExpandPages computes the keys and values of the view's first `end` rows straight into the layout the
+// attention reads: for each 64-row step the latent rows are transposed once, then per head K_nope^T = W_UK^T .
+// latent^T and V = latent . W_UV are tile products (k_pe's tiles are the latent's own, shared by every head),
+// rounded to bfloat16 from float32 sums. A layer's chunks share it.
+// Inputs:  pool   u16   (P, B, L): the pool's pages, L = Cl + R
 //          table  s32   (Q,): the sequence's pages, in position order
-//          pos    s32   (T,)
+//          end    s32   (1,): rows to compute (<= S; the last step's rows past it are zeros, rows past its step
+//                       are not written)
 //          w_uk   bf16  W_UK^T as A tiles (N, H / 16, Cl / 32, 16, 32)
 //          w_uv   bf16  W_UV as B tiles (N, V / 16, Cl / 32, 16, 16, 2)
-// Attrs:   scale, valid as above;  H  s64  the nope dims
+// Output:  laid   u16   (N, S, A + V): per head its key tiles (S x A), then its value tiles (S x V)
+// MlaPrefillExpandedAttention: each head's query rows a problem as above, over its laid-out keys and values.
+// Inputs:  q      bf16  (N, T, A): [q_nope | q_pe], head-major;  laid  as above;  pos  s32  (T,): positions < end
+// Attrs:   scale  f32
 // Output:  out    f32   (N, T, V)
 #include <algorithm>
 #include <cmath>
@@ -457,13 +460,16 @@ void run(ffi::ThreadPool& threads, std::vector<Problem>& problems, LayOut&& lay_
     first_step.push_back(steps), first_group.push_back(groups);
     steps += p.span / kStep, groups += (p.rows + kGroup * kRows - 1) / (kGroup * kRows);
   }
-  // The laid-out views, reused across calls on this thread (grown, never shrunk): no page faults per call.
+  // The laid-out views (unless the problems come laid out), reused across calls on this thread (grown, never
+  // shrunk): no page faults per call.
   thread_local std::vector<uint16_t> keys, values;
   const int64_t A = problems.empty() ? 0 : problems[0].A, C = problems.empty() ? 0 : problems[0].C;
-  if (keys.size() < static_cast<size_t>(steps * kStep * A)) keys.resize(steps * kStep * A);
-  if (values.size() < static_cast<size_t>(steps * kStep * C)) values.resize(steps * kStep * C);
-  for (size_t i = 0; i < problems.size(); ++i)
-    problems[i].keys = keys.data() + first_step[i] * kStep * A, problems[i].values = values.data() + first_step[i] * kStep * C;
+  if (!problems.empty() && !problems[0].keys) {
+    if (keys.size() < static_cast<size_t>(steps * kStep * A)) keys.resize(steps * kStep * A);
+    if (values.size() < static_cast<size_t>(steps * kStep * C)) values.resize(steps * kStep * C);
+    for (size_t i = 0; i < problems.size(); ++i)
+      problems[i].keys = keys.data() + first_step[i] * kStep * A, problems[i].values = values.data() + first_step[i] * kStep * C;
+  }
   auto owner = [](const std::vector<int64_t>& firsts, int64_t item) {  // the problem item belongs to
     return static_cast<size_t>(std::upper_bound(firsts.begin(), firsts.end(), item) - firsts.begin() - 1);
   };
@@ -556,46 +562,69 @@ ffi::Error MlaPrefillPagedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-ffi::Error MlaPrefillExpandedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ffi::Buffer<ffi::U16> pool,
-                                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> pos,
-                                           ffi::AnyBuffer w_uk, ffi::AnyBuffer w_uv, float scale, int64_t valid,
-                                           int64_t H, ffi::ResultBuffer<ffi::F32> out) {
-  if (!available()) return ffi::Error::Internal("mla_prefill_expanded_attention: this CPU or build has no AMX");
+ffi::Error MlaExpandPagesImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::U16> pool, ffi::Buffer<ffi::S32> table,
+                              ffi::Buffer<ffi::S32> end, ffi::AnyBuffer w_uk, ffi::AnyBuffer w_uv,
+                              ffi::ResultBuffer<ffi::U16> laid) {
+  if (!available()) return ffi::Error::Internal("mla_expand_pages: this CPU or build has no AMX");
 #ifdef DEEPINFER_AMX_ATTENTION
-  const auto qd = q.dimensions(), pd = pool.dimensions(), od = out->dimensions();
+  const auto pd = pool.dimensions(), kd = w_uk.dimensions(), vd = w_uv.dimensions(), ld = laid->dimensions();
   const auto bf16 = ffi::DataType::BF16;
-  if (qd.size() != 3 || pd.size() != 3 || od.size() != 3 || q.element_type() != bf16 ||
-      w_uk.element_type() != bf16 || w_uv.element_type() != bf16)
+  if (pd.size() != 3 || kd.size() != 5 || vd.size() != 6 || ld.size() != 3 || w_uk.element_type() != bf16 ||
+      w_uv.element_type() != bf16 || end.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "mla_prefill_expanded_attention: q (N, T, H + R) bfloat16, pool (P, B, L), out (N, T, V), weights bfloat16");
-  const int64_t N = qd[0], T = qd[1], A = qd[2], P = pd[0], B = pd[1], L = pd[2], V = od[2], R = A - H;
-  const int64_t Q = static_cast<int64_t>(table.element_count()), Cl = L - R;
-  if (od[0] != N || od[1] != T || pos.element_count() != static_cast<size_t>(T) || R <= 0 || Cl <= 0 ||
-      w_uk.element_count() != static_cast<size_t>(N * H * Cl) || w_uv.element_count() != static_cast<size_t>(N * V * Cl))
-    return ffi::Error::InvalidArgument("mla_prefill_expanded_attention: mismatched shapes");
-  if (H % 32 || R % 32 || V % 32 || Cl % 32 || L > 1024 || A > 1024 || V > A)
-    return ffi::Error::InvalidArgument("mla_prefill_expanded_attention: widths multiples of 32, at most 1024");
-  if (B <= 0 || B % kStep || valid < 0 || valid > Q * B)
-    return ffi::Error::InvalidArgument("mla_prefill_expanded_attention: pages of a multiple of 64 rows, valid <= Q * B");
+        "mla_expand_pages: pool (P, B, L), W_UK and W_UV as bfloat16 tiles, end (1,), laid (N, S, H + R + V)");
+  const int64_t P = pd[0], B = pd[1], L = pd[2], N = kd[0], H = kd[1] * 16, Cl = kd[2] * 32, V = vd[1] * 16;
+  const int64_t R = L - Cl, A = H + R, S = ld[1], Q = static_cast<int64_t>(table.element_count());
+  if (kd[3] != 16 || kd[4] != 32 || vd[0] != N || vd[2] != Cl / 32 || vd[3] != 16 || vd[4] != 16 || vd[5] != 2 ||
+      ld[0] != N || ld[2] != A + V || R <= 0)
+    return ffi::Error::InvalidArgument("mla_expand_pages: mismatched shapes");
+  if (H % 32 || R % 32 || V % 32 || Cl % 32 || L > 1024 || A > 1024 || V > A || S % kStep)
+    return ffi::Error::InvalidArgument("mla_expand_pages: widths multiples of 32 (at most 1024), S of 64");
+  const int64_t rows = std::min<int64_t>(end.typed_data()[0], S);
+  if (B <= 0 || B % kStep || rows < 0 || rows > Q * B)
+    return ffi::Error::InvalidArgument("mla_expand_pages: pages of a multiple of 64 rows, end <= Q * B");
   const int32_t* pages = table.typed_data();
-  for (int64_t i = 0; i < (valid + B - 1) / B; ++i)  // a page outside the pool is refused, never read
+  for (int64_t i = 0; i < (rows + B - 1) / B; ++i)  // a page outside the pool is refused, never read
     if (pages[i] < 0 || pages[i] >= P)
-      return ffi::Error::InvalidArgument("mla_prefill_expanded_attention: the table names a page outside the pool");
-  std::vector<Problem> problems;
-  for (int64_t n = 0; n < N; ++n) {  // each head a problem: its own keys and values, laid out by `expand_step`
+      return ffi::Error::InvalidArgument("mla_expand_pages: the table names a page outside the pool");
+  std::vector<Problem> heads;  // what expand_step reads of them: the pages, and where each head's tiles go
+  for (int64_t n = 0; n < N; ++n) {
     Problem p{};
-    p.N = 1, p.T = T, p.A = A, p.C = V, p.scale = scale, p.stride = T, p.t0 = 0, p.valid = valid;
-    p.q = static_cast<const uint16_t*>(q.untyped_data()) + n * T * A;
-    p.view = pool.typed_data(), p.table = pages, p.page = B;
-    p.pos = pos.typed_data(), p.out = out->typed_data() + n * T * V;
-    problems.push_back(p);
+    p.A = A, p.C = V, p.valid = rows, p.view = pool.typed_data(), p.table = pages, p.page = B;
+    p.keys = laid->typed_data() + n * S * (A + V), p.values = p.keys + S * A;
+    heads.push_back(p);
   }
   const Expansion e{static_cast<const uint16_t*>(w_uk.untyped_data()), static_cast<const uint16_t*>(w_uv.untyped_data()),
                     L, Cl, H, R};
-  run(threads, problems, [&](int64_t steps, auto step) {
-    const int64_t per_head = steps / N;  // every head has the same span: step i of head 0 is the view's step i
-    deepinfer::parallel_for(threads, per_head, true, [&](int64_t i) { expand_step(problems, e, step(i).second); });
-  });
+  deepinfer::parallel_for(threads, (rows + kStep - 1) / kStep, true,
+                          [&](int64_t i) { expand_step(heads, e, i * kStep); });
+#endif
+  return ffi::Error::Success();
+}
+
+ffi::Error MlaPrefillExpandedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer q, ffi::Buffer<ffi::U16> laid,
+                                           ffi::Buffer<ffi::S32> pos, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  if (!available()) return ffi::Error::Internal("mla_prefill_expanded_attention: this CPU or build has no AMX");
+#ifdef DEEPINFER_AMX_ATTENTION
+  const auto qd = q.dimensions(), ld = laid.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || ld.size() != 3 || od.size() != 3 || q.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "mla_prefill_expanded_attention: q (N, T, A) bfloat16, laid (N, S, A + V), out (N, T, V)");
+  const int64_t N = qd[0], T = qd[1], A = qd[2], S = ld[1], V = od[2];
+  if (ld[0] != N || ld[2] != A + V || od[0] != N || od[1] != T || pos.element_count() != static_cast<size_t>(T))
+    return ffi::Error::InvalidArgument("mla_prefill_expanded_attention: mismatched shapes");
+  if (auto bad = check_widths(A, V); bad.failure()) return bad;
+  if (S % kStep) return ffi::Error::InvalidArgument("mla_prefill_expanded_attention: S a multiple of 64");
+  std::vector<Problem> problems;
+  for (int64_t n = 0; n < N; ++n) {  // each head a problem over its own laid-out keys and values
+    Problem p{};
+    p.N = 1, p.T = T, p.A = A, p.C = V, p.scale = scale, p.stride = T, p.t0 = 0, p.valid = S;
+    p.q = static_cast<const uint16_t*>(q.untyped_data()) + n * T * A;
+    p.keys = const_cast<uint16_t*>(laid.typed_data()) + n * S * (A + V), p.values = p.keys + S * A;  // read only
+    p.pos = pos.typed_data(), p.out = out->typed_data() + n * T * V;
+    problems.push_back(p);
+  }
+  run(threads, problems, [](int64_t, auto) {});  // laid out already
 #endif
   return ffi::Error::Success();
 }
@@ -627,16 +656,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaPrefillPagedAttention, MlaPrefillPagedAttention
                                   .Attr<int64_t>("C")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaExpandPages, MlaExpandPagesImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U16>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaPrefillExpandedAttention, MlaPrefillExpandedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("valid")
-                                  .Attr<int64_t>("H")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -54,7 +54,8 @@ class PrefillPass:
     group: list[tuple[Sequence, int]]
     wanted: list[Sequence]
     layers: PrefillLayers
-    units: int  # layers not yet dispatched (the head goes with the last)
+    units: int  # units (layers, or chunks of layers: PagedRunner.prefill_units) not yet dispatched (the head
+    # goes with the last)
     unit_s: float | None = None  # predicted seconds of one unit (a sliced pass)
     seconds: float = 0.0
 
@@ -369,19 +370,20 @@ class Engine:
                 layers = self.runner.prefill_segments_layers([
                     Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
                     for seq, n in group])
-            run = PrefillPass(group, wanted, layers, L)
+            run = PrefillPass(group, wanted, layers, self.runner.prefill_units(n, seq.computed + n) if len(group) == 1
+                              else L)
             if slice_s is not None and len(group) == 1:
                 predicted = self.cost.prefill_s(n, seq.computed + n)
-                run.unit_s = None if predicted is None else predicted / L
+                run.unit_s = None if predicted is None else predicted / run.units
             if not self._advance(run, slice_s):
                 self._pass = run
                 return
 
     def _advance(self, run: PrefillPass, budget_s: float | None) -> bool:
-        """Dispatches the pass's next layers, as many as `budget_s` holds by their predicted time (at least one;
-        all without a budget), and waits for them: timed, so that the cost model learns the whole pass's time
-        (the sum of its slices) and the next decode step starts after them. The head (a few rows' logits) goes
-        with the last layer, which finishes the pass (True)."""
+        """Dispatches the pass's next units (layers, or chunks of layers), as many as `budget_s` holds by their
+        predicted time (at least one; all without a budget), and waits for them: timed, so that the cost model
+        learns the whole pass's time (the sum of its slices) and the next decode step starts after them. The head
+        (a few rows' logits) goes with the last unit, which finishes the pass (True)."""
         k = run.units if budget_s is None or run.unit_s is None else max(1, min(run.units, int(budget_s / run.unit_s)))
         begin = time.perf_counter()
         for _ in range(k):

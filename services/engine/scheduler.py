@@ -9,8 +9,8 @@ step costs (step_cost.py), the segments are sized so that their predicted time i
 over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences prefill than
 decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a long
 context: 64 tokens at 16K cost several decode steps), the oldest such sequence gets a sliced pass: a segment
-predicted to take up to SLICED_STEPS budgets, computed a few layers per step (what the budget holds after the
-step's other segments, at least one layer) between the decode steps, so a step's prefill stays near its
+predicted to take up to SLICED_STEPS budgets, computed a few units per step (layers, or a layer's chunks: what
+the budget holds after the step's other segments, at least one unit) between the decode steps, so a step's prefill stays near its
 budget at any context. One sliced pass at a time; while it is in flight, other sequences' segments that fit
 still run beside it, so a short prompt is not stuck behind a long one. Without costs
 yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
@@ -62,15 +62,19 @@ class Admission(NamedTuple):
     memory_pages: list[int]  # published pages the sequence took a reference on
 
 
-SLICED_STEPS = 8  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend
-# and read the weights for more tokens at once, but while one is in flight another long prompt waits for it
+SLICED_STEPS = 32  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend
+# and read the weights for more tokens at once (and the expanded form computes a layer's keys and values once
+# for more chunks), but while one is in flight another long prompt waits for it. A pass's units are a layer's
+# chunks where the kernel reads the pages, so a long segment's unit still fits a step. 32 against 8: a 16K miss
+# among 15 decoding streams got its first token after 17.8 s against 28.0 s (serve_bench's interference phase,
+# one run each; 128: 17.3 s, its segments capped at --solo-tokens)
 
 
 class Step(NamedTuple):
     decode: list[Sequence]
     prefill: list[tuple[Sequence, int]]  # (sequence, tokens to compute from its `computed`), each run whole
     sliced: tuple[Sequence, int] | None = None  # a segment to start as a sliced pass (none while one is in flight)
-    # The seconds left for the sliced pass (new or in flight) after `prefill`: it runs as many of its layers as
+    # The seconds left for the sliced pass (new or in flight) after `prefill`: it runs as many of its units as
     # fit, at least one. None: a pass in flight runs to its end.
     slice_s: float | None = None
 
