@@ -201,11 +201,13 @@ def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax
 
 
 def mla_expand_pages(pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, w_uk_CNH: jax.Array,
-                     w_uv_CNV: jax.Array, rows: int) -> jax.Array:
+                     w_uv_CNV: jax.Array, into_NSX: jax.Array) -> jax.Array:
     """Each head's expanded keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV of the first `end` (a traced
     int32 scalar, <= rows) rows of one sequence's pages of the pool (raw bfloat16 bits, read in place through
     table_Q), computed on the tiles and laid out as mla_prefill_expanded_attention reads them: (N, rows, H + R
-    + V) raw bfloat16 bits (kernels/mla_prefill_attention.cc). Rows past end's 64-row step are not written."""
+    + V) raw bfloat16 bits, written into into_NSX's memory (aliased: donate it, and a pass's layers reuse one
+    buffer; fresh, a 16K view's 84 MB cost a layer ~12 ms of page faults) (kernels/mla_prefill_attention.cc).
+    Rows past end's 64-row step are not written."""
     C, N, H = w_uk_CNH.shape
     V = w_uv_CNV.shape[-1]
     A = H + pool_PBA.shape[-1] - C
@@ -213,8 +215,11 @@ def mla_expand_pages(pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, w_
     # column pairs, 16 value columns, 2): the products' operands as the tiles load them
     w_uk = w_uk_CNH.astype(jnp.bfloat16).reshape(C // 32, 32, N, H // 16, 16).transpose(2, 3, 0, 4, 1)
     w_uv = w_uv_CNV.astype(jnp.bfloat16).reshape(C // 32, 16, 2, N, V // 16, 16).transpose(3, 4, 0, 1, 5, 2)
-    return jax.ffi.ffi_call(EXPAND_PAGES_TARGET, jax.ShapeDtypeStruct((N, rows, A + V), jnp.uint16))(
-        pool_PBA, table_Q.astype(jnp.int32), jnp.reshape(end, (1,)).astype(jnp.int32), w_uk, w_uv)
+    if into_NSX.shape[0] != N or into_NSX.shape[2] != A + V or into_NSX.dtype != jnp.uint16:
+        raise ValueError(f"mla_expand_pages: into {into_NSX.shape} {into_NSX.dtype}, want (N, rows, {A + V}) uint16")
+    return jax.ffi.ffi_call(EXPAND_PAGES_TARGET, jax.ShapeDtypeStruct(into_NSX.shape, jnp.uint16),
+                            input_output_aliases={5: 0})(
+        pool_PBA, table_Q.astype(jnp.int32), jnp.reshape(end, (1,)).astype(jnp.int32), w_uk, w_uv, into_NSX)
 
 
 def mla_prefill_expanded_attention(q_NTK: jax.Array, laid_NSX: jax.Array, positions_T: jax.Array,

@@ -163,18 +163,23 @@ class MLAttention(nnx.Module):
                                                           view, self.kv_lora_rank)
         return self._output(self._latent_values(out_NRC.astype(dtype)))
 
+    def laid_width(self) -> int:
+        """Columns of `expand_pages`'s rows: a head's key (H + R) and value (V)."""
+        return self.nope_dim + self.rope_dim + self.v_dim
+
     def expands_pages(self, pool_PBA: jax.Array) -> bool:
         """Whether `expand_pages` can run over this pool: `reads_pages`, and widths its kernel takes."""
         widths = (self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank)
         return (self.reads_pages(pool_PBA) and all(w % 32 == 0 for w in widths)
                 and self.v_dim <= self.nope_dim + self.rope_dim <= 1024 and pool_PBA.shape[-1] <= 1024)
 
-    def expand_pages(self, pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, rows: int) -> jax.Array:
+    def expand_pages(self, pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, into_NSX: jax.Array
+                     ) -> jax.Array:
         """The expanded form's keys and values of a sequence's first `end` rows (<= rows) of its pages, table_Q,
         computed by the CPU's prefill kernel from the latents on the tiles and laid out for `attend_laid`: raw
-        bits (N, rows, H + R + V). XLA's bfloat16 products of the expansion had cost more than the attention they
+        bits (N, rows, H + R + V), in into_NSX's memory (`cpu_kernels.mla_expand_pages`). XLA's bfloat16 products of the expansion had cost more than the attention they
         saved (a 16K view: 149 ms a layer, against 139 ms for the expanded attention and 410 for the absorbed)."""
-        return cpu_kernels.mla_expand_pages(pool_PBA, table_Q, end, self.w_uk[...], self.w_uv[...], rows)
+        return cpu_kernels.mla_expand_pages(pool_PBA, table_Q, end, self.w_uk[...], self.w_uv[...], into_NSX)
 
     def attend_laid(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array,
                     laid_NSX: jax.Array) -> jax.Array:

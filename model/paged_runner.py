@@ -284,8 +284,8 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
 
 
-def _expand_pages(layer, pool_PBA, table_Q, end, rows):
-    return layer.attn.expand_pages(pool_PBA, table_Q, end, rows)
+def _expand_pages(layer, pool_PBA, table_Q, end, into_NSX):
+    return layer.attn.expand_pages(pool_PBA, table_Q, end, into_NSX)
 
 
 def _attend_laid(layer, q_nope_NTH, q_pe_NTR, laid_NSX, positions_T):
@@ -309,14 +309,14 @@ class PagedLayerCalls(NamedTuple):
     dense: LayerCalls
     project: Callable  # (x_TD, pool_PBA (donated), positions_T, slots_T) -> q_nope_NTH, q_pe_NTR, pool_PBA
     finish_tiles: Callable  # (x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, form, positions_MT)
-    expand: Callable  # (pool_PBA, table_Q, end, rows) -> laid_NSX: the expanded form's keys and values
+    expand: Callable  # (pool_PBA, table_Q, end, into_NSX (donated)) -> laid_NSX: the expanded keys and values
     attend_laid: Callable  # (q_nope_NTH, q_pe_NTR, laid_NSX, positions_T) -> (T, D)
     finish_attended: Callable  # (x_TD, attended_TD) -> (T, D): the residual and the feed-forward
 
     @classmethod
     def of(cls, layer: SplitModule, dense: LayerCalls) -> "PagedLayerCalls":
         return cls(dense, layer.jit(_project_paged, donate_argnums=(1,)),
-                   layer.jit(_finish_tiles, static_argnums=(5, 6)), layer.jit(_expand_pages, static_argnums=(3,)),
+                   layer.jit(_finish_tiles, static_argnums=(5, 6)), layer.jit(_expand_pages, donate_argnums=(3,)),
                    layer.jit(_attend_laid), layer.jit(_finish_attended))
 
 
@@ -421,6 +421,8 @@ class PagedRunner:
             raise ValueError("prefill attention in place was asked for but the prefill kernel cannot read this pool")
         # The expanded form in place too, where the kernel takes the model's widths: long chunks take it
         self.prefill_expands_pages = self.prefill_reads_pages and model.layers[0].attn.expands_pages(pool.layers[0])
+        attn = model.layers[0].attn
+        self._laid_heads_width = (attn.num_heads, attn.laid_width())  # the expanded form's keys and values
 
     @property
     def decode_attention(self) -> str:
@@ -563,7 +565,7 @@ class PagedRunner:
         positions = [jnp.asarray(p) for p in positions]
         count = len(sizes)
         view = view_bucket(end, self.page)
-        rows = view  # the expanded form's keys and values: one shape per view bucket
+
         key_block = self.dense.key_block
         if in_place:
             # The kernel reads each row's own causal range (its position), whatever the table's width: one
@@ -574,7 +576,7 @@ class PagedRunner:
         views = [view if in_place else min(view, view_bucket(start + o + T, self.page)) for o, T in zip(offsets, sizes)]
         if in_place:  # one tile per chunk
             tables_1Q, positions_1T = table[None], [p[None] for p in positions]
-        end_ = jnp.asarray(end, jnp.int32)
+        end_, laid_NSX = jnp.asarray(end, jnp.int32), None
         for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
@@ -589,7 +591,10 @@ class PagedRunner:
                                                    views[i], "pages", positions_1T[i])
                     yield chunks[i]
             elif in_place:  # expanded: the layer's keys and values once (with its first chunk), a unit per chunk
-                laid_NSX = calls.expand(pool_PBA, table, end_, rows)
+                if laid_NSX is None:  # one buffer for every layer's (one shape per view bucket)
+                    heads, width = self._laid_heads_width
+                    laid_NSX = jnp.empty((heads, view_bucket(end, self.page), width), jnp.uint16)
+                laid_NSX = calls.expand(pool_PBA, table, end_, laid_NSX)
                 for i in range(count):
                     chunks[i] = calls.finish_attended(chunks[i], calls.attend_laid(*queries[i], laid_NSX,
                                                                                   positions[i]))

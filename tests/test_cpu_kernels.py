@@ -404,9 +404,9 @@ def test_paged_prefill_attention_refuses_a_table_or_pool_it_cannot_read(page, ta
 def expanded_prefill_attention(q, pool, table, pos, w_uk, w_uv, scale, view, end=None):
     """The expanded form's two calls: the keys and values of the first `end` rows (the view by default) laid out
     in a buffer of `view` rows, rounded up to 64, then the attention over them."""
-    rows = -(-view // 64) * 64
-    laid = jax.jit(cpu_kernels.mla_expand_pages, static_argnums=(5,))(pool, table, np.int32(end or view), w_uk, w_uv,
-                                                                       rows)
+    into = jnp.zeros((q.shape[0], -(-view // 64) * 64, q.shape[-1] + w_uv.shape[-1]), jnp.uint16)
+    laid = jax.jit(cpu_kernels.mla_expand_pages, donate_argnums=(5,))(pool, table, np.int32(end or view), w_uk, w_uv,
+                                                                       into)
     return np.asarray(jax.jit(cpu_kernels.mla_prefill_expanded_attention, static_argnums=(3,))(q, laid, pos, scale))
 
 

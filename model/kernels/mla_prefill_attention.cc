@@ -50,6 +50,8 @@
 //                       are not written)
 //          w_uk   bf16  W_UK^T as A tiles (N, H / 16, Cl / 32, 16, 32)
 //          w_uv   bf16  W_UV as B tiles (N, V / 16, Cl / 32, 16, 16, 2)
+//          into   u16   (N, S, A + V): the output's memory (aliased to it: a buffer reused layer after layer, so
+//                       a layer's call does not fault in fresh pages)
 // Output:  laid   u16   (N, S, A + V): per head its key tiles (S x A), then its value tiles (S x V)
 // MlaPrefillExpandedAttention: each head's query rows a problem as above, over its laid-out keys and values.
 // Inputs:  q      bf16  (N, T, A): [q_nope | q_pe], head-major;  laid  as above;  pos  s32  (T,): positions < end
@@ -564,6 +566,7 @@ ffi::Error MlaPrefillPagedAttentionImpl(ffi::ThreadPool threads, ffi::AnyBuffer 
 
 ffi::Error MlaExpandPagesImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::U16> pool, ffi::Buffer<ffi::S32> table,
                               ffi::Buffer<ffi::S32> end, ffi::AnyBuffer w_uk, ffi::AnyBuffer w_uv,
+                              ffi::Buffer<ffi::U16> /* the output's memory (aliased) */,
                               ffi::ResultBuffer<ffi::U16> laid) {
   if (!available()) return ffi::Error::Internal("mla_expand_pages: this CPU or build has no AMX");
 #ifdef DEEPINFER_AMX_ATTENTION
@@ -664,6 +667,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaExpandPages, MlaExpandPagesImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::U16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MlaPrefillExpandedAttention, MlaPrefillExpandedAttentionImpl,
