@@ -349,6 +349,7 @@ DECODE_VIEW_STEPS = 4  # decode view sizes per doubling past 512 rows: at most 1
 MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass at most: 512 rows, as a chunk
 MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
 MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass reads (or gathers) per tile
+LAID_ROWS = 4096  # the expanded form's keys and values buffer: rows, at least (then powers of two)
 
 
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
@@ -423,6 +424,7 @@ class PagedRunner:
         self.prefill_expands_pages = self.prefill_reads_pages and model.layers[0].attn.expands_pages(pool.layers[0])
         attn = model.layers[0].attn
         self._laid_heads_width = (attn.num_heads, attn.laid_width())  # the expanded form's keys and values
+        self._laid: jax.Array | None = None  # their buffer, kept between segments (`_take_laid`)
 
     @property
     def decode_attention(self) -> str:
@@ -591,9 +593,8 @@ class PagedRunner:
                                                    views[i], "pages", positions_1T[i])
                     yield chunks[i]
             elif in_place:  # expanded: the layer's keys and values once (with its first chunk), a unit per chunk
-                if laid_NSX is None:  # one buffer for every layer's (one shape per view bucket)
-                    heads, width = self._laid_heads_width
-                    laid_NSX = jnp.empty((heads, view_bucket(end, self.page), width), jnp.uint16)
+                if laid_NSX is None:  # one buffer for every layer's
+                    laid_NSX = self._take_laid(end)
                 laid_NSX = calls.expand(pool_PBA, table, end_, laid_NSX)
                 for i in range(count):
                     chunks[i] = calls.finish_attended(chunks[i], calls.attend_laid(*queries[i], laid_NSX,
@@ -605,9 +606,22 @@ class PagedRunner:
                 chunks = [calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]), views[i],
                                              expanded, key_block) for i in range(count)]
                 yield chunks
+        if laid_NSX is not None:
+            self._laid = laid_NSX  # for the next segment (a pass closed part-way drops its buffer)
         if not want_logits:
             return chunks[-1]
         return self.dense.logits(chunks[-1], (n - 1) - offsets[-1])
+
+    def _take_laid(self, end: int) -> jax.Array:
+        """A buffer for the expanded form's keys and values of rows [0, end): the one kept from the last segment
+        if it has the rows this one's bucket wants, else a new one. Buckets are powers of two from LAID_ROWS, so
+        that the attention over it compiles for few shapes (one per chunk size up to 4K tokens of context); the
+        kernel computes only `end` rows whatever the buffer's size. Taken, not shared: a segment computed while
+        another's pass is in flight gets a buffer of its own."""
+        heads, width = self._laid_heads_width
+        shape = (heads, max(LAID_ROWS, _pow2(end)), width)
+        laid, self._laid = self._laid, None
+        return laid if laid is not None and laid.shape == shape else jnp.empty(shape, jnp.uint16)
 
     def _prefill_plan(self, n: int, end: int) -> tuple[bool, bool, list[int]]:
         """How `prefill_layers` computes an n-token segment ending at `end`: (absorbed, in place, chunk sizes).
