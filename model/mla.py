@@ -177,8 +177,9 @@ class MLAttention(nnx.Module):
                      ) -> jax.Array:
         """The expanded form's keys and values of a sequence's first `end` rows (<= rows) of its pages, table_Q,
         computed by the CPU's prefill kernel from the latents on the tiles and laid out for `attend_laid`: raw
-        bits (N, rows, H + R + V), in into_NSX's memory (`cpu_kernels.mla_expand_pages`). XLA's bfloat16 products of the expansion had cost more than the attention they
-        saved (a 16K view: 149 ms a layer, against 139 ms for the expanded attention and 410 for the absorbed)."""
+        bits (N, rows, H + R + V), in into_NSX's memory (`cpu_kernels.mla_expand_pages`). XLA's bfloat16
+        products of the expansion had cost more than the attention they saved (a 16K view: 149 ms a layer,
+        against 139 ms for the expanded attention and 410 for the absorbed)."""
         return cpu_kernels.mla_expand_pages(pool_PBA, table_Q, end, self.w_uk[...], self.w_uv[...], into_NSX)
 
     def attend_laid(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array,

@@ -323,10 +323,9 @@ class PagedLayerCalls(NamedTuple):
 PrefillLayers = Generator[object, None, jax.Array]
 """A prefill pass one unit at a time (a layer, or a chunk of a layer: `PagedRunner.prefill_units`): each `next`
 dispatches one unit and yields its output (to block on, to time it); the pass returns its result once every
-unit is in. Between layers the caller may dispatch other
-work, such as a decode step (each layer reads the pool's arrays as they are when it runs, and writes only its
-own sequences' rows); a pass closed part-way has written its rows into some layers only: its sequences must
-compute them again."""
+unit is in. Between units the caller may dispatch other work, such as a decode step (each unit reads the pool's
+arrays as they are when it runs, and writes only its own sequences' rows); a pass closed part-way has written its
+rows into some layers only: its sequences must compute them again."""
 
 
 def run_layers(layers: PrefillLayers) -> jax.Array:
@@ -552,8 +551,9 @@ class PagedRunner:
         absorbed (`_finish_tiles`, one tile per chunk), or expanded (`_expand_pages` once per layer, then each
         chunk over its keys and values); a single token takes XLA's path, as the dense runner's does. Otherwise
         attention reads the pages gathered into a view once per layer. Yields after each unit's dispatch
-        (`PrefillLayers`: a chunk of a layer in place, else a layer; `prefill_units`); returns the logits (V,) at the last position if asked, else the last chunk's output
-        (T, D): dispatched, not waited for; a caller that times the segment blocks on it."""
+        (`PrefillLayers`: a chunk of a layer in place, else a layer; `prefill_units`); returns the logits (V,) at
+        the last position if asked, else the last chunk's output (T, D): dispatched, not waited for; a caller
+        that times the segment blocks on it."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
@@ -567,7 +567,6 @@ class PagedRunner:
         positions = [jnp.asarray(p) for p in positions]
         count = len(sizes)
         view = view_bucket(end, self.page)
-
         key_block = self.dense.key_block
         if in_place:
             # The kernel reads each row's own causal range (its position), whatever the table's width: one

@@ -470,7 +470,8 @@ void run(ffi::ThreadPool& threads, std::vector<Problem>& problems, LayOut&& lay_
     if (keys.size() < static_cast<size_t>(steps * kStep * A)) keys.resize(steps * kStep * A);
     if (values.size() < static_cast<size_t>(steps * kStep * C)) values.resize(steps * kStep * C);
     for (size_t i = 0; i < problems.size(); ++i)
-      problems[i].keys = keys.data() + first_step[i] * kStep * A, problems[i].values = values.data() + first_step[i] * kStep * C;
+      problems[i].keys = keys.data() + first_step[i] * kStep * A,
+      problems[i].values = values.data() + first_step[i] * kStep * C;
   }
   auto owner = [](const std::vector<int64_t>& firsts, int64_t item) {  // the problem item belongs to
     return static_cast<size_t>(std::upper_bound(firsts.begin(), firsts.end(), item) - firsts.begin() - 1);
@@ -597,8 +598,8 @@ ffi::Error MlaExpandPagesImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::U16> poo
     p.keys = laid->typed_data() + n * S * (A + V), p.values = p.keys + S * A;
     heads.push_back(p);
   }
-  const Expansion e{static_cast<const uint16_t*>(w_uk.untyped_data()), static_cast<const uint16_t*>(w_uv.untyped_data()),
-                    L, Cl, H, R};
+  const Expansion e{static_cast<const uint16_t*>(w_uk.untyped_data()),
+                    static_cast<const uint16_t*>(w_uv.untyped_data()), L, Cl, H, R};
   deepinfer::parallel_for(threads, (rows + kStep - 1) / kStep, true,
                           [&](int64_t i) { expand_step(heads, e, i * kStep); });
 #endif

@@ -370,8 +370,8 @@ class Engine:
                 layers = self.runner.prefill_segments_layers([
                     Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
                     for seq, n in group])
-            run = PrefillPass(group, wanted, layers, self.runner.prefill_units(n, seq.computed + n) if len(group) == 1
-                              else L)
+            units = self.runner.prefill_units(n, seq.computed + n) if len(group) == 1 else L
+            run = PrefillPass(group, wanted, layers, units)
             if slice_s is not None and len(group) == 1:
                 predicted = self.cost.prefill_s(n, seq.computed + n)
                 run.unit_s = None if predicted is None else predicted / run.units
