@@ -86,8 +86,7 @@ def segments(cfg, kernel_model, xla_model, cases, repeats: int) -> list[dict]:
         fns = {name: (lambda r=r: jax.block_until_ready(r.prefill(tokens[S - n:S], S - n, pages, True)))
                for name, r in runners.items()}
         seconds = alternate(fns, repeats)
-        form = ("absorbed" if prefer_absorbed(cfg, n, S, True, runners["kernel"].prefill_expands_pages)
-                else "expanded")
+        form = "absorbed" if runners["kernel"].prefill_absorbed(n, S) else "expanded"
         out.append({"tokens": n, "context": S, "kernel_form": form,
                     "xla_form": "absorbed" if prefer_absorbed(cfg, n, S) else "expanded", **seconds})
         print(f"segment {n} tokens at {S}: kernel ({form}) {seconds['kernel'] * 1e3:.0f} ms, kernel absorbed "

@@ -632,6 +632,10 @@ class PagedRunner:
         in_place = self.prefill_reads_pages and n > 1 and (absorbed or self.prefill_expands_pages)
         return absorbed, in_place, self._chunk_sizes(n, end)
 
+    def prefill_absorbed(self, n: int, end: int) -> bool:
+        """Whether `prefill_layers` computes an n-token segment ending at `end` in the absorbed form."""
+        return self._prefill_plan(n, end)[0]
+
     def prefill_units(self, n: int, end: int) -> int:
         """The units (`next` calls before the result) of `prefill_layers` for an n-token segment ending at `end`:
         a layer's chunk each where attention reads the pages in place, else a layer each."""

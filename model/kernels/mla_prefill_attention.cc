@@ -101,8 +101,6 @@ inline __m512 exp2_bounded(__m512 y) {
 struct Problem {
   const uint16_t* q;     // (N, stride, A) bfloat16 bits: this problem's token t of head n is row n * stride + t0 + t
   const uint16_t* view;  // (S, A), or the pool's pages (P, B, A) when `table` is given
-  const uint16_t* values_view;  // (S, C): the values apart from the keys (the expanded form); null: the view's
-                                // first C columns
   const int32_t* table;  // the view's pages, or null
   int64_t page;          // rows per page
   const int32_t* pos;    // (T,)
@@ -115,36 +113,39 @@ struct Problem {
   uint16_t* values;  // (span / 32, C / 16) tiles of (16 row pairs x 16 columns x 2)
 };
 
+// View rows [s0, s0 + kStep) of a problem's view (rows L bfloat16 wide): in place, or, for the last step, a copy
+// with zeros past `valid` (this thread's buffer, until its next call).
+const uint16_t* step_rows(const Problem& p, int64_t L, int64_t s0) {
+  const uint16_t* first = p.table ? p.view + (p.table[s0 / p.page] * p.page + s0 % p.page) * L : p.view + s0 * L;
+  if (s0 + kStep <= p.valid) return first;
+  thread_local std::vector<uint16_t> buffer;
+  buffer.assign(kStep * L, 0);
+  if (p.valid > s0) std::memcpy(buffer.data(), first, (p.valid - s0) * L * 2);
+  return buffer.data();
+}
+
+// A step's rows (L bfloat16 wide) as B tiles: tile (j, kk), at out + (j * block + kk) * 256 words, row d (column
+// pair 16 kk + d) holds rows 16 j .. + 16 of that pair.
+void transpose_step(const uint16_t* rows, int64_t L, int64_t block, uint32_t* out) {
+  const int64_t words = L / 2;  // a row is L / 2 words of two bfloat16
+  for (int64_t j = 0; j < kStep / 16; ++j)
+    for (int64_t kk = 0; kk < L / 32; ++kk)
+      deepinfer::transpose16(reinterpret_cast<const uint32_t*>(rows) + 16 * j * words + 16 * kk, words,
+                             out + (j * block + kk) * 256);
+}
+
 // Rows [s0, s0 + kStep) of the view into the key and value tiles (rows past `valid` as zeros).
 void lay_out(const Problem& p, int64_t s0) {
-  const int64_t A = p.A, words = A / 2, kk_tiles = A / 32;  // a row is A / 2 words of two bfloat16
-  const uint16_t* first = p.table ? p.view + (p.table[s0 / p.page] * p.page + s0 % p.page) * A : p.view + s0 * A;
-  const uint32_t* rows32 = reinterpret_cast<const uint32_t*>(first);
-  const int64_t v_stride = p.values_view ? p.C : A;  // a value row's words apart, in bfloat16 words
-  const uint16_t* v_first = p.values_view ? p.values_view + s0 * p.C : first;
-  if (s0 + kStep > p.valid) {  // the last step: a copy with zeros past `valid`
-    thread_local std::vector<uint32_t> buffer, values_buffer;
-    buffer.assign(kStep * words, 0);
-    if (p.valid > s0) std::memcpy(buffer.data(), rows32, (p.valid - s0) * A * 2);
-    rows32 = buffer.data();
-    v_first = reinterpret_cast<const uint16_t*>(rows32);
-    if (p.values_view) {
-      values_buffer.assign(kStep * p.C / 2, 0);
-      if (p.valid > s0) std::memcpy(values_buffer.data(), p.values_view + s0 * p.C, (p.valid - s0) * p.C * 2);
-      v_first = reinterpret_cast<const uint16_t*>(values_buffer.data());
-    }
-  }
+  const int64_t A = p.A, kk_tiles = A / 32;
+  const uint16_t* rows = step_rows(p, A, s0);
   // keys: tile (s0 / 16 + j, kk) row d (dim pair 16 kk + d) holds rows s0 + 16 j .. + 16 of that pair
-  for (int64_t j = 0; j < kStep / 16; ++j)
-    for (int64_t kk = 0; kk < kk_tiles; ++kk)
-      deepinfer::transpose16(rows32 + (16 * j) * words + 16 * kk, words,
-                             reinterpret_cast<uint32_t*>(p.keys) + ((s0 / 16 + j) * kk_tiles + kk) * 256);
+  transpose_step(rows, A, kk_tiles, reinterpret_cast<uint32_t*>(p.keys) + (s0 / 16) * kk_tiles * 256);
   // values: tile (s0 / 32 + h, c / 16) row e (row pair) holds columns c .. c + 16 of rows 2e, 2e + 1 interleaved
   const int64_t c_tiles = p.C / 16;
   for (int64_t h = 0; h < kStep / 32; ++h)
     for (int64_t e = 0; e < 16; ++e) {
-      const uint16_t* a = v_first + (32 * h + 2 * e) * v_stride;
-      const uint16_t* b = a + v_stride;
+      const uint16_t* a = rows + (32 * h + 2 * e) * A;
+      const uint16_t* b = a + A;
       for (int64_t c = 0; c < p.C; c += 32) {
         const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
         uint16_t* t0 = p.values + (((s0 / 32 + h) * c_tiles + c / 16) * 512) + e * 32;
@@ -355,19 +356,11 @@ inline __m512i pair_words(const float* even, const float* odd) {
 // Keys and values are rounded to bfloat16 from float32 sums (as XLA's expanded form rounds them).
 void expand_step(const std::vector<Problem>& heads, const Expansion& e, int64_t s0) {
   const Problem& p0 = heads[0];
-  const int64_t L = e.L, words = L / 2, lat_kk = L / 32, c_kk = e.Cl / 32;
-  const uint16_t* rows = p0.view + (p0.table[s0 / p0.page] * p0.page + s0 % p0.page) * L;
-  thread_local std::vector<uint16_t> buffer, latent;
-  if (s0 + kStep > p0.valid) {  // the last step: a copy with zeros past `valid`
-    buffer.assign(kStep * L, 0);
-    if (p0.valid > s0) std::memcpy(buffer.data(), rows, (p0.valid - s0) * L * 2);
-    rows = buffer.data();
-  }
+  const int64_t L = e.L, lat_kk = L / 32, c_kk = e.Cl / 32;
+  const uint16_t* rows = step_rows(p0, L, s0);
+  thread_local std::vector<uint16_t> latent;
   latent.resize(4 * lat_kk * 512);  // tile (j, kk): latent column pairs 16 kk .. + 16 x rows s0 + 16 j .. + 16
-  for (int64_t j = 0; j < 4; ++j)
-    for (int64_t kk = 0; kk < lat_kk; ++kk)
-      deepinfer::transpose16(reinterpret_cast<const uint32_t*>(rows) + 16 * j * words + 16 * kk, words,
-                             reinterpret_cast<uint32_t*>(latent.data()) + (j * lat_kk + kk) * 256);
+  transpose_step(rows, L, lat_kk, reinterpret_cast<uint32_t*>(latent.data()));
   const int64_t A = p0.A, kk_tiles = A / 32, C = p0.C, c_tiles = C / 16;
   alignas(64) float out[4][256];
   auto store = [&]() {  // tile numbers are immediates
