@@ -75,7 +75,8 @@ class EngineProbe:
 
     SERIES = {"busy_s": "deepinfer_engine_step_seconds_total", "prefill_s": "deepinfer_engine_prefill_seconds_total",
               "decode_s": "deepinfer_engine_decode_seconds_total", "compile_s": "deepinfer_engine_compile_seconds_total",
-              "prefill_passes": "deepinfer_engine_prefill_passes_total"}
+              "prefill_passes": "deepinfer_engine_prefill_passes_total",
+              "prefill_slices": "deepinfer_engine_prefill_slices_total"}
 
     def __init__(self, urls: list[str], admin_token: str):
         self.urls, self.headers = urls, {"Authorization": f"Bearer {admin_token}"}
@@ -212,48 +213,67 @@ async def cache_off(args, url: str, sessions, result: dict, probe: EngineProbe |
         result["cache_off"] = {str(c): await closed_level(client, args, sessions, c, "cache off: ", probe)}
 
 
-async def interference(args, url: str, result: dict) -> None:
+COUNTED = {"logprobs": 0}  # each chunk says how many tokens it brings
+
+
+async def interference(args, url: str, result: dict, probe: EngineProbe | None = None) -> None:
     rng = np.random.default_rng(11)
     fresh = lambda n: rng.integers(*TOKEN_RANGE, n).tolist()  # noqa: E731 - prompts nobody sent before
     out = result["interference"] = {"streams": args.streams, "long_tokens": args.long_tokens}
     async with Client(url) as client:
         await client.complete(fresh(64), 4)
         say(f"{args.streams} streams alone")
-        idle = await asyncio.gather(*(client.complete(fresh(64), args.stream_tokens) for _ in range(args.streams)))
+        idle = await asyncio.gather(*(client.complete(fresh(64), args.stream_tokens, extra=COUNTED)
+                                      for _ in range(args.streams)))
         out["idle_tpot_s"] = percentiles([r.tpot_s for r in idle])
         out["idle_itl_s"] = percentiles([g for r in idle for g in r.itl_s])
         say(f"a {args.long_tokens}-token miss alone")
+        before = await probe.snapshot() if probe else None
         alone = await client.complete(fresh(args.long_tokens), 4)
+        if probe:
+            out["engine_alone"] = EngineProbe.spent(before, await probe.snapshot())
         out["long_alone_ttft_s"] = alone.ttft_s
         say(f"the {args.long_tokens}-token miss while {args.streams} streams decode")
         # Enough tokens to outlast the long prefill three times over at the idle pace.
         budget = int(alone.ttft_s / max(out["idle_tpot_s"]["p50"], 1e-3) * 3) + args.stream_tokens
         started = [asyncio.Event() for _ in range(args.streams)]
         arrivals: list[list[float]] = [[] for _ in range(args.streams)]
-        streams = [asyncio.create_task(client.complete(fresh(64), budget, first_token=e, times=t))
-                   for e, t in zip(started, arrivals)]
+        brought: list[list[int]] = [[] for _ in range(args.streams)]  # tokens per chunk (by their logprobs)
+        streams = [asyncio.create_task(client.complete(fresh(64), budget, first_token=e, times=t, counts=k,
+                                                       extra=COUNTED))
+                   for e, t, k in zip(started, arrivals, brought)]
         await asyncio.gather(*(e.wait() for e in started))  # every stream is decoding
         # A newcomer's short prompt among the streams, then one sent while the long miss prefills: is it stuck
         # behind the long one (head-of-line blocking) or prefilled beside it?
         short_idle = await client.complete(fresh(64), 4)
+        before = await probe.snapshot() if probe else None
         long_task = asyncio.create_task(client.complete(fresh(args.long_tokens), 4))
         await asyncio.sleep(min(5.0, alone.ttft_s / 4))
         short = await client.complete(fresh(64), 4)
         long = await long_task
+        if probe:  # the model thread's seconds from the long prompt's arrival to its first token (and the short's)
+            out["engine_together"] = EngineProbe.spent(before, await probe.snapshot())
         for t in streams:
             t.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
     window = (long.send_s, long.send_s + long.ttft_s)
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if window[0] <= b <= window[1]]
-    out["stream_tokens_during"] = sum(window[0] <= t <= window[1] for times in arrivals for t in times)
+    # A chunk that brings k tokens (one held back by detokenization, about 1% of random weights' tokens) after a
+    # gap counts as k gaps of a k-th of it: the engine's pace, which the idle TPOT measures too.
+    token_gaps = [(b - a) / k for times, ks in zip(arrivals, brought)
+                  for a, b, k in zip(times, times[1:], ks[1:]) if window[0] <= b <= window[1] for _ in range(k)]
+    out["stream_tokens_during"] = len(token_gaps)
     out["during_itl_s"] = percentiles(gaps)
+    out["during_token_gap_s"] = percentiles(token_gaps)
     out["long_together_ttft_s"] = long.ttft_s
-    out["tpot_p99_ratio"] = out["during_itl_s"]["p99"] / out["idle_tpot_s"]["p99"]
+    out["tpot_p99_ratio"] = out["during_token_gap_s"]["p99"] / out["idle_tpot_s"]["p99"]
+    out["chunk_gap_p99_ratio"] = out["during_itl_s"]["p99"] / out["idle_tpot_s"]["p99"]
     out["long_ttft_ratio"] = long.ttft_s / alone.ttft_s
     out["short_idle_ttft_s"], out["short_during_ttft_s"] = short_idle.ttft_s, short.ttft_s
     out["short_before_long"] = short.send_s + short.ttft_s < long.send_s + long.ttft_s
-    say(f"streams' p99 gap during the long prefill {out['during_itl_s']['p99']:.3f} s vs idle TPOT p99 "
-        f"{out['idle_tpot_s']['p99']:.3f} s ({out['tpot_p99_ratio']:.2f}x); long TTFT {long.ttft_s:.1f} s vs alone "
+    say(f"streams' p99 gap per token during the long prefill {out['during_token_gap_s']['p99']:.3f} s vs idle TPOT "
+        f"p99 {out['idle_tpot_s']['p99']:.3f} s ({out['tpot_p99_ratio']:.2f}x; per text chunk "
+        f"{out['chunk_gap_p99_ratio']:.2f}x); long TTFT {long.ttft_s:.1f} s vs alone "
         f"{alone.ttft_s:.1f} s ({out['long_ttft_ratio']:.2f}x); a 64-token prompt's TTFT {short.ttft_s:.2f} s while it "
         f"prefills ({short_idle.ttft_s:.2f} s among the streams alone)")
 
@@ -331,7 +351,7 @@ def measure(args) -> dict:
             if "sweep" in args.phases:
                 asyncio.run(sweep(args, run.url, sessions, result, run.probe))
             if "interference" in args.phases:
-                asyncio.run(interference(args, run.url, result))
+                asyncio.run(interference(args, run.url, result, run.probe))
             if "streams" in args.phases:
                 asyncio.run(streams(args, run.url, result, run.probe))
     if "cache" in args.phases:

@@ -62,9 +62,11 @@ class Client:
 
     async def complete(self, prompt: list[int], max_tokens: int, headers: dict | None = None,
                        first_token: asyncio.Event | None = None, times: list[float] | None = None,
-                       extra: dict | None = None) -> Result:
-        """One streamed request; `times`, if given, receives each token's arrival as it comes (so a
-        request cancelled midway still shows when its tokens came); `extra`: more body fields (a peer's own)."""
+                       extra: dict | None = None, counts: list[int] | None = None) -> Result:
+        """One streamed request; `times`, if given, receives each text chunk's arrival as it comes (so a
+        request cancelled midway still shows when its tokens came), and `counts` the tokens each brought (by its
+        logprobs, when `extra` asks for them; else 1: detokenization holds back a token that ends inside a
+        character, which then arrives with the next); `extra`: more body fields (a peer's own)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}} | (extra or {})
         send = self.now()
@@ -81,6 +83,8 @@ class Client:
                     chunk = json.loads(line[5:])
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         times.append(self.now())
+                        if counts is not None:
+                            counts.append(len((chunk["choices"][0].get("logprobs") or {}).get("tokens") or [0]))
                         if first_token is not None:
                             first_token.set()
                     usage = chunk.get("usage")

@@ -548,8 +548,8 @@ class PagedRunner:
     def prefill_layers(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> PrefillLayers:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
         writes their latents into `pages`. With the CPU's prefill kernel attention reads the pages in place:
-        absorbed (`_finish_tiles`, one tile per chunk), or expanded (`_expand_pages` once per layer, then each
-        chunk over its keys and values); a single token takes XLA's path, as the dense runner's does. Otherwise
+        absorbed (`_finish_tiles`, one tile per chunk), or expanded (`_expand_pages` once per layer, a unit of its
+        own, then each chunk over its keys and values); a single token takes XLA's path, as the dense runner's does. Otherwise
         attention reads the pages gathered into a view once per layer. Yields after each unit's dispatch
         (`PrefillLayers`: a chunk of a layer in place, else a layer; `prefill_units`); returns the logits (V,) at
         the last position if asked, else the last chunk's output (T, D): dispatched, not waited for; a caller
@@ -591,10 +591,11 @@ class PagedRunner:
                     chunks[i] = calls.finish_tiles(chunks[i], *queries[i], self.pool.layers[layer], tables_1Q,
                                                    views[i], "pages", positions_1T[i])
                     yield chunks[i]
-            elif in_place:  # expanded: the layer's keys and values once (with its first chunk), a unit per chunk
+            elif in_place:  # expanded: a unit for the layer's keys and values (and its projections), one per chunk
                 if laid_NSX is None:  # one buffer for every layer's
                     laid_NSX = self._take_laid(end)
                 laid_NSX = calls.expand(pool_PBA, table, end_, laid_NSX)
+                yield laid_NSX  # (a decode step may run now: the expansion has read the pool array it was given)
                 for i in range(count):
                     chunks[i] = calls.finish_attended(chunks[i], calls.attend_laid(*queries[i], laid_NSX,
                                                                                   positions[i]))
@@ -638,9 +639,10 @@ class PagedRunner:
 
     def prefill_units(self, n: int, end: int) -> int:
         """The units (`next` calls before the result) of `prefill_layers` for an n-token segment ending at `end`:
-        a layer's chunk each where attention reads the pages in place, else a layer each."""
-        _, in_place, sizes = self._prefill_plan(n, end)
-        return len(self._layer_calls) * (len(sizes) if in_place else 1)
+        a layer's chunk each where attention reads the pages in place (and in the expanded form one more per layer,
+        its keys and values), else a layer each."""
+        absorbed, in_place, sizes = self._prefill_plan(n, end)
+        return len(self._layer_calls) * ((len(sizes) + (not absorbed)) if in_place else 1)
 
     def _chunk_sizes(self, n: int, end: int) -> list[int]:
         """Rows of each chunk of an n-token segment ending at `end`: chunks of the dense runner's size (a power of

@@ -164,13 +164,14 @@ def _greedy_rows(logits_BV):
     return argmax_tokens(logits_BV)
 
 
-@functools.partial(jax.jit, static_argnames=("top_n", "draw", "cut", "penalize", "bias", "mask"))
+@functools.partial(jax.jit, static_argnames=("logprobs", "top_n", "draw", "cut", "penalize", "bias", "mask"))
 def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, counted_BT, presence_B,
-                        frequency_B, bias_ids_BK, bias_BK, allowed_BW, top_n: int, draw: bool, cut: bool,
-                        penalize: bool, bias: bool, mask: bool):
+                        frequency_B, bias_ids_BK, bias_BK, allowed_BW, logprobs: bool, top_n: int, draw: bool,
+                        cut: bool, penalize: bool, bias: bool, mask: bool):
     """Penalties (over the counted ids; id V pads and is dropped), bias, the grammar's bitmask, then the
-    usual sampling; logprobs come from the raw logits. The static flags leave out what no row uses.
-    Returns (tokens, chosen logprobs, top ids, top logprobs); the last three None when top_n is 0."""
+    usual sampling; logprobs come from the raw logits (the top_n most likely only when top_n > 0: a top-k over
+    the vocabulary costs more than the rest of the sampling). The static flags leave out what no row uses.
+    Returns (tokens, chosen logprobs, top ids, top logprobs); the last three None without logprobs."""
     raw_BV = logits_BV.astype(jnp.float32)
     B, V = raw_BV.shape
     rows_B1 = jnp.arange(B)[:, None]
@@ -189,12 +190,14 @@ def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, to
         sample = functools.partial(_sample_keyed, cut=cut)
         drawn_B = jax.vmap(sample)(shaped_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B)
         sampled_B = jnp.where(temperature_B > 0, drawn_B, sampled_B)
-    if not top_n:
+    if not logprobs:
         return sampled_B, None, None, None
-    logp_BV = jax.nn.log_softmax(raw_BV, axis=-1)
-    chosen_B = jnp.take_along_axis(logp_BV, sampled_B[:, None], axis=1)[:, 0]
-    top_BN, top_ids_BN = jax.lax.top_k(logp_BV, top_n)
-    return sampled_B, chosen_B, top_ids_BN, top_BN
+    lse_B = jax.nn.logsumexp(raw_BV, axis=-1)
+    chosen_B = jnp.take_along_axis(raw_BV, sampled_B[:, None], axis=1)[:, 0] - lse_B
+    if not top_n:
+        return sampled_B, chosen_B, jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0), jnp.float32)
+    top_BN, top_ids_BN = jax.lax.top_k(raw_BV, top_n)  # the same order as the logprobs'
+    return sampled_B, chosen_B, top_ids_BN, top_BN - lse_B[:, None]
 
 
 def _pow2(n: int) -> int:
@@ -251,16 +254,18 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
             w = min(words, row.allowed.size)
             allowed[i, :w] = row.allowed[:w]
             allowed[i, w:] = 0  # ids the grammar's tokenizer does not have
-    top_n = MAX_LOGPROBS if any(row.params.logprobs is not None for row in rows) else 0
+    asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    top_n = min(MAX_LOGPROBS, _pow2(max(asked))) if asked and max(asked) else 0  # few shapes to compile
     tokens, chosen, top_ids, top = _sample_shaped_rows(logits_BV, seeds, steps, temperature, top_p, top_k, counted,
-                                                       presence, frequency, bias_ids, bias, allowed, top_n=top_n,
+                                                       presence, frequency, bias_ids, bias, allowed,
+                                                       logprobs=bool(asked), top_n=top_n,
                                                        draw=any(not row.params.greedy for row in rows), cut=cut,
                                                        penalize=bool(presence.any() or frequency.any()),
                                                        bias=bool(bias.any()),
                                                        mask=any(row.allowed is not None for row in rows))
     tokens = np.asarray(tokens)[:n]
     logprobs = list(none)
-    if top_n:
+    if asked:
         chosen, top_ids, top = np.asarray(chosen), np.asarray(top_ids), np.asarray(top)
         for i, row in enumerate(rows):
             k = row.params.logprobs

@@ -316,7 +316,8 @@ def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bit
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
 def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
     """With the CPU's prefill kernel reading the pages in place (widths it takes in both forms), a segment's units
-    are its chunks of every layer (`prefill_units`): run a unit at a time with another sequence's decode step
+    are its chunks of every layer, and in the expanded form each layer's keys and values (`prefill_units`): run a
+    unit at a time with another sequence's decode step
     after each, its logits and latents are bit for bit those of the pass run whole; and within bfloat16
     tolerance of XLA's path (the kernel off) in the same form."""
     from model import cpu_kernels
@@ -336,7 +337,8 @@ def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
         paged.prefill(p[:64], 0, table_p, False)
         paged.prefill(d, 0, table_d, False)
         units = paged.prefill_units(336, 400)
-        assert units == (cfg.num_layers * 6 if how != "xla" else cfg.num_layers)  # 336 tokens: 5 chunks of 64, 16
+        # 336 tokens: 5 chunks of 64, 16; in the expanded form one more unit per layer (its keys and values)
+        assert units == (cfg.num_layers * (6 + (form == "expanded")) if how != "xla" else cfg.num_layers)
         layers, steps, dispatched = paged.prefill_layers(p[64:], 64, table_p, True), [], 0
         if how == "sliced":
             while True:

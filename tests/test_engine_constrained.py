@@ -197,6 +197,17 @@ def test_the_sampler_applies_penalties_and_bias_as_defined_and_reports_raw_logpr
     assert [t for t, _ in chosen.top] == np.argsort(-logp)[:20].tolist()
     assert np.exp(logp).sum() == pytest.approx(1.0, abs=1e-5)
     assert sum(np.exp(lp) for _, lp in chosen.top) <= 1.0
+    # Rows asking for fewer (the top-k is computed for the most any row asks, a power of two) or none of the top
+    logp_B = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    for asked in ([0, 3], [0, 0], [None, 2]):
+        got = sample_batch(jnp.asarray(logits), [SamplingRow(SamplingParams(logprobs=k), 0, 0, ()) for k in asked])
+        for i, k in enumerate(asked):
+            if k is None:
+                assert got.logprobs[i] is None
+                continue
+            assert got.logprobs[i].logprob == pytest.approx(float(logp_B[i, got.tokens[i]]), abs=1e-5)
+            assert [t for t, _ in got.logprobs[i].top] == np.argsort(-logp_B[i])[:k].tolist()
+            assert [lp for _, lp in got.logprobs[i].top] == pytest.approx(np.sort(logp_B[i])[::-1][:k], abs=1e-5)
 
 
 @pytest.mark.parametrize("V", [VOCAB, 1000, 129_281], ids=["vocab", "short", "padded"])

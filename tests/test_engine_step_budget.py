@@ -152,6 +152,28 @@ def test_a_segment_that_does_not_fit_a_step_is_sliced_and_sized_to_a_few_steps_b
     assert step.sliced is None and step.slice_s is None and step.prefill == [(short, 64)]
 
 
+def test_where_small_segments_pay_mostly_the_fixed_cost_a_long_prompt_takes_a_sliced_pass_instead():
+    """A pass's fixed cost (all the weights read, every layer dispatched) makes the 64 tokens that fit a step
+    cost about what hundreds do: a long prompt then gets a large segment as a sliced pass (SLICE_GAIN more tokens
+    a second), not a small segment a step; a prompt whose rest fits a step is computed whole, and with no fixed
+    cost small segments stay (the tests above)."""
+    d = 0.03
+    cost = StepCost()
+    for n, end in [(512, 512), (256, 768), (64, 64), (256, 4096), (128, 8192), (64, 16384), (2048, 2048)]:
+        cost.prefill.observe(n, end, cost_of(n, end) + d)
+    for _ in range(3):
+        cost.decode.observe(2, 0.02)  # a step's prefill gets 40 ms: 64 tokens at context 0 fit (36 ms), 128 do not
+    assert cost.prefill.coef == pytest.approx({"a": A, "b": B_CTX, "c": 0.0, "d": d}, rel=1e-4, abs=1e-12)
+    s = scheduler()
+    long, = running(s, (16384, 0))
+    step = s.schedule(cost)
+    assert step.prefill == [] and step.sliced == (long, 2048) and step.slice_s == pytest.approx(0.04)
+    s2 = scheduler()
+    short, = running(s2, (64, 0))
+    step = s2.schedule(cost)
+    assert step.prefill == [(short, 64)] and step.sliced is None
+
+
 def test_short_prompts_are_not_stuck_behind_a_sliced_pass():
     cost = measured(decode_s=0.005)
     s = scheduler()

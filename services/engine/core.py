@@ -56,7 +56,7 @@ class PrefillPass:
     layers: PrefillLayers
     units: int  # units (layers, or chunks of layers: PagedRunner.prefill_units) not yet dispatched (the head
     # goes with the last)
-    unit_s: float | None = None  # predicted seconds of one unit (a sliced pass)
+    done: int = 0  # units dispatched
     seconds: float = 0.0
 
 
@@ -355,7 +355,7 @@ class Engine:
     def _prefill(self, segments: list[tuple[Sequence, int]], slice_s: float | None = None) -> None:
         """Computes the step's prefill segments in passes (`_prefill_passes`: short ones of several sequences
         together, PagedRunner.prefill_segments; the others alone). With `slice_s` (one segment, which costs
-        more than the step's prefill budget has left) the pass runs the layers that fit it and stays in flight
+        more than the step's prefill budget has left) the pass runs the units that fit it and stays in flight
         for the next steps (`_advance`)."""
         L = self.loaded.config.num_layers
         for group in self._prefill_passes(segments):
@@ -372,23 +372,30 @@ class Engine:
                     for seq, n in group])
             units = self.runner.prefill_units(n, seq.computed + n) if len(group) == 1 else L
             run = PrefillPass(group, wanted, layers, units)
-            if slice_s is not None and len(group) == 1:
-                predicted = self.cost.prefill_s(n, seq.computed + n)
-                run.unit_s = None if predicted is None else predicted / run.units
             if not self._advance(run, slice_s):
                 self._pass = run
                 return
 
     def _advance(self, run: PrefillPass, budget_s: float | None) -> bool:
-        """Dispatches the pass's next units (layers, or chunks of layers), as many as `budget_s` holds by their
-        predicted time (at least one; all without a budget), and waits for them: timed, so that the cost model
-        learns the whole pass's time (the sum of its slices) and the next decode step starts after them. The head
-        (a few rows' logits) goes with the last unit, which finishes the pass (True)."""
-        k = run.units if budget_s is None or run.unit_s is None else max(1, min(run.units, int(budget_s / run.unit_s)))
+        """Runs the pass's next units (layers, or chunks of layers), all of them without a budget; with one, a unit
+        at a time, each waited for, until the next unit's expected time would end the slice farther past
+        `budget_s` than stopping now falls short of it (at least one unit): the slice ends at the unit boundary
+        nearest its budget, so slices take their budget on average whatever the units' size (a unit is expected
+        to take the mean of this pass's units so far: measured, not predicted). Timed, so that
+        the cost model learns the whole pass's time (the sum of its slices) and the next decode step starts after
+        them. The head (a few rows' logits) goes with the last unit, which finishes the pass (True)."""
         begin = time.perf_counter()
-        for _ in range(k):
+        while run.units:
             out = next(run.layers)
-        run.units -= k
+            run.units -= 1
+            run.done += 1
+            if budget_s is None:
+                continue
+            jax.block_until_ready(out)
+            spent = time.perf_counter() - begin
+            expected = (run.seconds + spent) / run.done
+            if run.units and spent + expected / 2 > budget_s:
+                break
         if not run.units:
             try:
                 next(run.layers)

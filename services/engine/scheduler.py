@@ -8,10 +8,11 @@ step costs (step_cost.py), the segments are sized so that their predicted time i
 `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
 over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences prefill than
 decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a long
-context: 64 tokens at 16K cost several decode steps), the oldest such sequence gets a sliced pass: a segment
-predicted to take up to SLICED_STEPS budgets, computed a few units per step (layers, or a layer's chunks: what
-the budget holds after the step's other segments, at least one unit) between the decode steps, so a step's
-prefill stays near its budget at any context. One sliced pass at a time; while it is in flight, other
+context: 64 tokens at 16K cost several decode steps), or where it would cost SLICE_GAIN more per token than a
+large segment (a pass's fixed cost dominates small ones), the oldest such sequence gets a sliced pass: a segment
+predicted to take up to SLICED_STEPS budgets, computed a few units per step (layers, or a layer's chunks, each
+timed: the slice ends at the unit boundary nearest what the budget holds after the step's other segments, at
+least one unit) between the decode steps, so a step's prefill stays near its budget at any context. One sliced pass at a time; while it is in flight, other
 sequences' segments that fit still run beside it, so a short prompt is not stuck behind a long one. Without
 costs yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
 takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
@@ -68,6 +69,12 @@ SLICED_STEPS = 32  # a sliced pass is sized to about this many steps' prefill bu
 # chunks where the kernel reads the pages, so a long segment's unit still fits a step. 32 against 8: a 16K miss
 # among 15 decoding streams got its first token after 17.8 s against 28.0 s (serve_bench's interference phase,
 # one run each; 128: 17.3 s, its segments capped at --solo-tokens)
+
+
+SLICE_GAIN = 1.25  # a sequence whose largest segment that fits a step is this much slower per token than a
+# sliced pass's segment (every pass reads all the weights and dispatches every layer: at short contexts 64 tokens
+# cost about what 256 do) gets the sliced pass instead. A 16K miss among 15 decoding streams spent its first 1,700
+# tokens in 27 steps of 64 tokens (about 50 ms each) where one sliced pass of 2,048 took 0.6 s.
 
 
 class Step(NamedTuple):
@@ -157,11 +164,15 @@ class Scheduler:
         """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
         admission order (but those of the pass in flight) the largest segment size that fits what is left (its
         rest of the prompt if that fits). With no pass in flight, the oldest one whose smallest size does not
-        fit gets a sliced pass: the largest size predicted within SLICED_STEPS times the step's budget (at least
-        the smallest), so a prefill progresses whatever the decode costs. The sliced pass, new or in flight,
-        gets the seconds left."""
+        fit, or whose fitting size computes SLICE_GAIN fewer tokens a second, gets a sliced pass: the largest size
+        predicted within SLICED_STEPS times the step's budget (at least the smallest), so a prefill progresses
+        whatever the decode costs. The sliced pass, new or in flight, gets the seconds left."""
         sizes = self.policy.segment_sizes()
         budget = seconds
+
+        def rate(n: int, computed: int) -> float:  # tokens per second of an n-token segment in a pass of its own
+            return n / max(cost.prefill_s(n, computed + n), 1e-9)
+
         prefill, sliced = [], None
         for seq in self.running:
             if not seq.prefilling or seq in in_pass:
@@ -173,15 +184,19 @@ class Scheduler:
 
             candidates = list(dict.fromkeys(min(n, left) for n in sizes))
             fitting = [n for n in candidates if predicted(n) <= seconds]
-            if fitting:
+            slice_n = None
+            if sliced is None and not in_pass:
+                within = [n for n in candidates if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
+                slice_n = within[-1] if within else candidates[0]
+            if fitting and not (slice_n is not None and slice_n > fitting[-1]
+                                and rate(slice_n, seq.computed) >= SLICE_GAIN * rate(fitting[-1], seq.computed)):
                 # Charged after it joins `prefill`, so the step's first segment is charged without its pass's
                 # fixed cost d: a little slack the default ratio was tuned with. Charging d (as a step really
                 # pays it) gave the trace at 16 users 62-65 output tok/s against 72-78 (serve_bench sweep, A/B).
                 prefill.append((seq, fitting[-1]))
                 seconds -= predicted(fitting[-1])
-            elif sliced is None and not in_pass:
-                within = [n for n in candidates if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
-                sliced = (seq, within[-1] if within else candidates[0])
+            elif slice_n is not None:
+                sliced = (seq, slice_n)
         if sliced is None and not in_pass:
             return Step(decode, prefill)
         return Step(decode, prefill, sliced, max(seconds, 0.0))
