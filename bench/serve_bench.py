@@ -216,6 +216,14 @@ async def cache_off(args, url: str, sessions, result: dict, probe: EngineProbe |
 COUNTED = {"logprobs": 0}  # each chunk says how many tokens it brings
 
 
+def per_token_gaps(arrivals: list[list[float]], brought: list[list[int]], window: tuple[float, float]) -> list[float]:
+    """The gaps between a stream's tokens whose chunk arrived within `window`: a chunk that brings k tokens (one
+    held back by detokenization, as a token ending inside a UTF-8 character is) after a wait counts as k gaps
+    of a k-th of it: the engine's pace, which the idle TPOT measures too."""
+    return [(b - a) / k for times, ks in zip(arrivals, brought)
+            for a, b, k in zip(times, times[1:], ks[1:]) if window[0] <= b <= window[1] for _ in range(k)]
+
+
 async def interference(args, url: str, result: dict, probe: EngineProbe | None = None) -> None:
     rng = np.random.default_rng(11)
     fresh = lambda n: rng.integers(*TOKEN_RANGE, n).tolist()  # noqa: E731 - prompts nobody sent before
@@ -258,10 +266,7 @@ async def interference(args, url: str, result: dict, probe: EngineProbe | None =
         await asyncio.gather(*streams, return_exceptions=True)
     window = (long.send_s, long.send_s + long.ttft_s)
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if window[0] <= b <= window[1]]
-    # A chunk that brings k tokens (one held back by detokenization, about 1% of random weights' tokens) after a
-    # gap counts as k gaps of a k-th of it: the engine's pace, which the idle TPOT measures too.
-    token_gaps = [(b - a) / k for times, ks in zip(arrivals, brought)
-                  for a, b, k in zip(times, times[1:], ks[1:]) if window[0] <= b <= window[1] for _ in range(k)]
+    token_gaps = per_token_gaps(arrivals, brought, window)
     out["stream_tokens_during"] = len(token_gaps)
     out["during_itl_s"] = percentiles(gaps)
     out["during_token_gap_s"] = percentiles(token_gaps)

@@ -20,6 +20,13 @@ def test_serving_metrics_are_vllms_definitions():
     assert percentiles([1, 2, 3, 4], qs=(50, 99)) == {"mean": 2.5, "p50": 2, "p99": 4}
 
 
+def test_a_chunk_of_several_tokens_counts_as_that_many_gaps_per_token():
+    arrivals = [[0.0, 0.1, 0.3, 0.4], [0.05, 0.15]]
+    brought = [[1, 1, 2, 1], [1, 3]]
+    gaps = serve_bench.per_token_gaps(arrivals, brought, (0.1, 0.35))  # the chunks that arrived at 0.1, 0.3 and 0.15
+    assert gaps == pytest.approx([0.1, 0.1, 0.1, 0.1 / 3, 0.1 / 3, 0.1 / 3])
+
+
 def test_serve_bench_runs_sessions_through_a_real_stack(tmp_path):
     assert serve_bench.main(["--preset", "tiny", "--models-dir", str(tmp_path / "models"), "--dir", str(tmp_path),
                              "--sessions", "12", "--concurrency", "1,2", "--cache-concurrency", "2",
