@@ -69,7 +69,8 @@ def goals(result: dict) -> list[str]:
     if inter:
         lines.append(f"- while a {inter['long_tokens']}-token miss prefills, the {inter['streams']} streams' p99 "
                      f"token gap / their idle TPOT p99: **{inter['tpot_p99_ratio']:.2f}x** (goal <= 3x"
-                     + (f"; per text chunk {inter['chunk_gap_p99_ratio']:.2f}x" if "chunk_gap_p99_ratio" in inter else "")
+                     + (f"; per text chunk {inter['chunk_gap_p99_ratio']:.2f}x"
+                        if "chunk_gap_p99_ratio" in inter else "")
                      + "); the miss's "
                      f"TTFT / alone: **{inter['long_ttft_ratio']:.2f}x** (goal <= 1.5x)")
     return lines

@@ -549,8 +549,8 @@ class PagedRunner:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
         writes their latents into `pages`. With the CPU's prefill kernel attention reads the pages in place:
         absorbed (`_finish_tiles`, one tile per chunk), or expanded (`_expand_pages` once per layer, a unit of its
-        own, then each chunk over its keys and values); a single token takes XLA's path, as the dense runner's does. Otherwise
-        attention reads the pages gathered into a view once per layer. Yields after each unit's dispatch
+        own, then each chunk over its keys and values); a single token takes XLA's path, as the dense runner's
+        does. Otherwise attention reads the pages gathered into a view once per layer. Yields after each unit's dispatch
         (`PrefillLayers`: a chunk of a layer in place, else a layer; `prefill_units`); returns the logits (V,) at
         the last position if asked, else the last chunk's output (T, D): dispatched, not waited for; a caller
         that times the segment blocks on it."""
@@ -595,7 +595,7 @@ class PagedRunner:
                 if laid_NSX is None:  # one buffer for every layer's
                     laid_NSX = self._take_laid(end)
                 laid_NSX = calls.expand(pool_PBA, table, end_, laid_NSX)
-                yield laid_NSX  # (a decode step may run now: the expansion has read the pool array it was given)
+                yield laid_NSX  # a unit of its own: with the first chunk that unit took twice the others
                 for i in range(count):
                     chunks[i] = calls.finish_attended(chunks[i], calls.attend_laid(*queries[i], laid_NSX,
                                                                                   positions[i]))

@@ -381,9 +381,9 @@ class Engine:
         at a time, each waited for, until the next unit's expected time would end the slice farther past
         `budget_s` than stopping now falls short of it (at least one unit): the slice ends at the unit boundary
         nearest its budget, so slices take their budget on average whatever the units' size (a unit is expected
-        to take the mean of this pass's units so far: measured, not predicted). Timed, so that
-        the cost model learns the whole pass's time (the sum of its slices) and the next decode step starts after
-        them. The head (a few rows' logits) goes with the last unit, which finishes the pass (True)."""
+        to take the mean of this pass's units so far: measured, not predicted). Timed, so that the cost model
+        learns the whole pass's time (the sum of its slices) and the next decode step starts after them. The
+        head (a few rows' logits) goes with the last unit, which finishes the pass (True)."""
         begin = time.perf_counter()
         while run.units:
             out = next(run.layers)

@@ -12,9 +12,10 @@ context: 64 tokens at 16K cost several decode steps), or where it would cost SLI
 large segment (a pass's fixed cost dominates small ones), the oldest such sequence gets a sliced pass: a segment
 predicted to take up to SLICED_STEPS budgets, computed a few units per step (layers, or a layer's chunks, each
 timed: the slice ends at the unit boundary nearest what the budget holds after the step's other segments, at
-least one unit) between the decode steps, so a step's prefill stays near its budget at any context. One sliced pass at a time; while it is in flight, other
-sequences' segments that fit still run beside it, so a short prompt is not stuck behind a long one. Without
-costs yet, and in batch-invariant mode, the budget is `step_tokens` tokens. With nothing to decode, a prefill
+least one unit) between the decode steps, so a step's prefill stays near its budget at any context. One sliced
+pass at a time; while it is in flight, other sequences' segments that fit still run beside it, so a short
+prompt is not stuck behind a long one. Without costs yet, and in batch-invariant mode, the budget is
+`step_tokens` tokens. With nothing to decode, a prefill
 takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
 Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
 running sequence is preempted (its pages freed, its blocks kept hot, requeued). `decode_cut` says when
