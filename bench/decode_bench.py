@@ -5,7 +5,8 @@ bfloat16 serving (model/serving.py) against float32 serving of the same weights.
 
     python -m bench.decode_bench [--preset mini] [--batches 1,2,4,16,64] [--context 512] [--repeats 5]
 
-Every row is the median over --repeats runs of the same shape, measured side by side in one process.
+Every row is the median over --repeats runs of the same shape, measured side by side in one process. A CPU
+without AMX gets its own report section (its kernels take other paths).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from bench import report
 from bench.moe_bench import median_seconds
+from model import cpu_kernels
 from model.config import preset
 from model.paged_runner import DecodeRow, LatentPool, PagedRunner
 from model.runner import _pow2
@@ -54,6 +56,7 @@ def measure(args) -> dict:
     greedy = SamplingRow(SamplingParams(), 0, 0)
     out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
            "decode_kernel": default.decode_kernel, "few_row_kernel": model.head.lm_head.few_rows,
+           "few_rows_max": cpu_kernels.few_rows_max(), "amx": cpu_kernels.decode_amx_available(),
            "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
@@ -123,8 +126,9 @@ def write(result: dict) -> None:
                "without a compiler)."
                if result.get("decode_kernel") else "XLA's products over gathered views (the CPU kernel was "
                "unavailable), in every column.")
-            + (" Products of 1-4 rows (decode batches of 1-4): our few-row kernel (model/cpu_kernels.py); xla "
-               "products: the same model with XLA's bfloat16 products there (one row computed as two)."
+            + (f" Products of 1-{result.get('few_rows_max', 4)} rows (decode batches of as many sequences): our "
+               "few-row kernel (model/cpu_kernels.py); xla products: the same model with XLA's bfloat16 products "
+               "there (one row computed as two)."
                if result.get("few_row_kernel") else " Products: XLA's in every column (the few-row kernel was "
                "unavailable)."), "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
@@ -149,6 +153,7 @@ def write(result: dict) -> None:
                                         "argmax / ours"], host)]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
     other = "" if result["context"] == DEFAULT_CONTEXT else f", context {result['context']}"
+    other += "" if result.get("amx", True) else ", a CPU without AMX"
     report.update_section(f"Decode batching and batch invariance (decode_bench{other})", "\n".join(body))
 
 
@@ -167,6 +172,7 @@ def plot(result: dict) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     other = "" if result["context"] == DEFAULT_CONTEXT else f"_context{result['context']}"
+    other += "" if result.get("amx", True) else "_no_amx"
     return report.save_figure(fig, f"decode_bench{other}.png")
 
 

@@ -63,7 +63,7 @@ def test_decode_bench_measures_both_modes():
                                                        for d in result["decode"].values())
     assert all(d["dispatch_s"] > 0 and d["greedy_s"] > 0 and d["argmax_s"] > 0 for d in result["decode"].values())
     assert result["decode_kernel"]  # default decode attention is the CPU kernel here; xla_view its comparison
-    assert result["few_row_kernel"]  # and products of 1-4 rows our kernel; xla_products its comparison
+    assert result["few_row_kernel"] and result["few_rows_max"] == cpu_kernels.few_rows_max()  # xla_products: XLA's
     assert result["prefill"]["solo"]["seconds"] > 0 and result["prefill"]["invariant"]["segment_tokens"] == 64
 
 

@@ -317,32 +317,23 @@ def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bit
         assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("form", ["absorbed", "expanded"])
-def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
-    """With the CPU's prefill kernel reading the pages in place (widths it takes in both forms), a segment's units
-    are its chunks of every layer, and in the expanded form each layer's keys and values (`prefill_units`): run a
-    unit at a time with another sequence's decode step
-    after each, its logits and latents are bit for bit those of the pass run whole; and within bfloat16
-    tolerance of XLA's path (the kernel off) in the same form."""
-    from model import cpu_kernels
-    if not cpu_kernels.prefill_attention_available():
-        pytest.skip("the prefill attention kernel needs AMX")
-    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
-    checkpoint = init_model(cfg)
+def run_whole_and_sliced(cfg, checkpoint, form: str, kernel: bool) -> dict:
+    """A 336-token segment at 64-400 run whole, and a unit at a time with another sequence's decode step after
+    each unit (the same count of decode steps after the whole pass): each run's logits, decode steps and latents."""
     p, d = prompt(80, 400), prompt(81, 100)
     table_p, table_d = list(range(1, 8)), list(range(9, 11))
     out = {}
-    for how in ("whole", "sliced", "xla"):
-        model = serving_model(checkpoint, "bfloat16", prefill_kernel=how != "xla")
+    for how in ("whole", "sliced"):
+        model = serving_model(checkpoint, "bfloat16", prefill_kernel=kernel)
         pool = LatentPool(cfg, 16, 64)
         paged = PagedRunner(model, cfg, pool, chunk_tokens=64)
         paged.dense.attention = form
-        assert paged.prefill_expands_pages == (how != "xla")
+        assert paged.prefill_expands_pages == kernel
         paged.prefill(p[:64], 0, table_p, False)
         paged.prefill(d, 0, table_d, False)
         units = paged.prefill_units(336, 400)
         # 336 tokens: 5 chunks of 64, 16; in the expanded form one more unit per layer (its keys and values)
-        assert units == (cfg.num_layers * (6 + (form == "expanded")) if how != "xla" else cfg.num_layers)
+        assert units == cfg.num_layers * (6 + (form == "expanded"))
         layers, steps, dispatched = paged.prefill_layers(p[64:], 64, table_p, True), [], 0
         if how == "sliced":
             while True:
@@ -362,7 +353,32 @@ def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
     (logits, steps, latents), (want_logits, want_steps, want_latents) = out["sliced"], out["whole"]
     assert np.array_equal(logits, want_logits) and len(steps) == len(want_steps)
     assert all(np.array_equal(g, w) for g, w in zip(steps + latents, want_steps + want_latents))
-    np.testing.assert_allclose(out["whole"][0], out["xla"][0], atol=3e-2 * np.abs(out["xla"][0]).max())
+    return out
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
+    """With the CPU's prefill kernel reading the pages in place (widths it takes in both forms), a segment's units
+    are its chunks of every layer, and in the expanded form each layer's keys and values (`prefill_units`): run a
+    unit at a time with another sequence's decode step after each, its logits and latents are bit for bit those
+    of the pass run whole; and within bfloat16 tolerance of XLA's path (the kernel off) in the same form."""
+    from model import cpu_kernels
+    if not cpu_kernels.prefill_attention_available():
+        pytest.skip("the prefill attention kernel needs AMX")
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+    checkpoint = init_model(cfg)
+    kernel, xla = run_whole_and_sliced(cfg, checkpoint, form, True), run_whole_and_sliced(cfg, checkpoint, form, False)
+    np.testing.assert_allclose(kernel["whole"][0], xla["whole"][0], atol=3e-2 * np.abs(xla["whole"][0]).max())
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_a_pass_over_gathered_views_is_sliced_by_chunks_too(form):
+    """Without the prefill kernel (a CPU without AMX, or a GPU/TPU) attention reads a view gathered once per layer;
+    its units are still the layer's chunks (and the expanded form's keys and values): a slice of a long prefill is
+    a chunk, not a whole layer of the segment. Run a unit at a time between decode steps, it is bit for bit the
+    pass run whole."""
+    cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
+    run_whole_and_sliced(cfg, init_model(cfg), form, False)
 
 
 async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is_cancelled_or_preempted(tiny, tmp_path):
