@@ -304,7 +304,7 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   bool tiles = false;
 #if defined(__AVX512F__)
   std::unique_ptr<float[]> xf;
-  if (M > 1) {  // float32 FMAs (replaced by AMX tiles below where the CPU grants them)
+  if (M > 1 && !deepinfer::amx_granted()) {  // float32 FMAs (AMX tiles below where the CPU grants them)
     xf.reset(new float[N * M * I]);
     each((all_rows + kConvertRows - 1) / kConvertRows, [&](int64_t i) {
       const int64_t first = i * kConvertRows, rows = std::min(kConvertRows, all_rows - first);
