@@ -54,7 +54,8 @@ def measure(args) -> dict:
     xla = jax.jit(lambda x, w: jnp.einsum("bi,oi->bo", (jnp.concatenate([x, x]) if x.shape[0] == 1 else x)
                                           .astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)[:x.shape[0]])
     out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
-           "amx": cpu_kernels.decode_amx_available(), "repeats": args.repeats, "rows": [n for n in ROWS if n <= cpu_kernels.few_rows_max()], "products": []}
+           "amx": cpu_kernels.decode_amx_available(), "repeats": args.repeats,
+           "rows": [n for n in ROWS if n <= cpu_kernels.few_rows_max()], "products": []}
     rng = np.random.default_rng(0)
     for (O, I), names in shapes(model).items():
         w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
@@ -95,8 +96,8 @@ def write(result: dict) -> None:
             report.markdown_table(["shape (out x in)", "projections", "rows", "kernel ms", "kernel GB/s", "XLA ms",
                                    "XLA GB/s", "XLA / kernel"], rows)]
     body.append(f"\n![few_rows_bench](bench/results/{plot(result)})")
-    report.update_section("Few-row products (few_rows_bench" + ("" if result.get("amx", True) else ", a CPU without AMX")
-                          + ")", "\n".join(body))
+    where = "" if result.get("amx", True) else ", a CPU without AMX"
+    report.update_section(f"Few-row products (few_rows_bench{where})", "\n".join(body))
 
 
 def plot(result: dict) -> str:

@@ -258,7 +258,8 @@ rng = np.random.default_rng(0)
 x = rng.standard_normal((most, 96)).astype(np.float32)
 w = jnp.asarray(rng.standard_normal((37, 96)), jnp.bfloat16)
 def product(rows):
-    return np.asarray(jax.ffi.ffi_call("few_rows_elsewhere", jax.ShapeDtypeStruct((len(rows), 37), jnp.float32))(x[rows], w))
+    shape = jax.ShapeDtypeStruct((len(rows), 37), jnp.float32)
+    return np.asarray(jax.ffi.ffi_call("few_rows_elsewhere", shape)(x[rows], w))
 want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64).T
 together = product(list(range(most)))
 np.testing.assert_allclose(together, want, atol=1e-5 * np.abs(want).max(), rtol=0)

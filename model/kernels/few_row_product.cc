@@ -11,8 +11,8 @@
 // in registers into y's rows), where the CPU and the kernel allow AMX (amx.h); without AMX, 2-32 rows are
 // float32 FMAs of weights widened in registers (one unpack per 16), 4 weight rows by 4 x rows at a time, over
 // chunks of weight rows that stay in L2 while every group of 4 x rows takes them: where a CPU has AVX-512 BF16
-// but no AMX, its dot products retire at well under half the FMAs' rate (1.2 against 5.2 G/s on one core
-// here), so a product of more than a few rows is bound by them. float32 sums.
+// but no AMX, its dot products may retire at well under half the FMAs' rate (1.2 against 5.2 G/s on one core
+// of a Xeon without AMX), so a product of more than a few rows is bound by them. float32 sums.
 //
 // Inputs:  x   f32   (M, I): each row rounded to bfloat16 (to nearest even), as `x.astype(bfloat16)` does
 //          w   bf16  (O, I)
@@ -21,8 +21,8 @@
 // decode's absorbed attention takes per head (a few rows through W_UK and W_UV of each head).
 //
 // Each output is one weight row's dot product with one x row, summed in an order fixed by I and by the
-// path (one row, or AMX for 2-32 rows): within a path a row's result does not depend on the other rows or
-// on how the outputs are shared.
+// path (one row; or 2-32 rows, AMX tiles or FMAs): within a path a row's result does not depend on the other
+// rows or on how the outputs are shared.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
