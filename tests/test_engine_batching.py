@@ -280,8 +280,9 @@ def test_prefill_reading_pages_in_place_gives_the_logits_of_gathered_views():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bits(tiny, dtype):
     """PagedRunner.prefill_layers / prefill_segments_layers with another sequence's decode step dispatched after
-    every layer (as the engine slices a long-context pass between steps) against the pass run whole and the
-    decode steps after it: the same logits and latents, bit for bit, for both."""
+    every unit (a layer's chunk; a layer of a pass of several segments), as the engine slices a long-context pass
+    between steps, against the pass run whole and as many decode steps after it: the same logits and latents,
+    bit for bit, for both."""
     cfg = tiny.config
     served = serving_model(tiny.model, dtype)
     p, q, d = prompt(60, 300), prompt(61, 90), prompt(62, 100)
@@ -294,11 +295,13 @@ def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bit
         paged.prefill(d, 0, table_d, False)
         passes = [paged.prefill_layers(p[64:], 64, table_p, True),  # four chunks
                   paged.prefill_segments_layers([Segment(p[:40], 0, table_q), Segment(q[:90], 0, [13, 14])])]
+        units = [paged.prefill_units(236, 300), cfg.num_layers]
+        assert units[0] == cfg.num_layers * (4 + (not paged.prefill_absorbed(236, 300)))
         steps, results, position = [], [], 100
-        for layers in passes:
+        for layers, count in zip(passes, units):
             if how == "whole":
                 results.append(np.asarray(run_layers(layers)))
-                for _ in range(cfg.num_layers):
+                for _ in range(count):
                     steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
                     position += 1
                 continue
@@ -382,8 +385,9 @@ def test_a_pass_over_gathered_views_is_sliced_by_chunks_too(form):
 
 
 async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is_cancelled_or_preempted(tiny, tmp_path):
-    """Engine steps driven by hand (no model thread): a segment given a budget smaller than one layer's cost runs
-    one layer a step and stays in flight; finished that way, its first token and logits are those of the same
+    """Engine steps driven by hand (no model thread): a segment given a budget smaller than one unit's cost runs
+    one unit (a layer's chunk) a step and stays in flight; finished that way, its first token and logits are those
+    of the same
     segment run whole. Cancelled mid-pass, or preempted by a decoding sequence that needs a page, it closes
     the pass: no layer more is dispatched, nothing is counted computed, every page is free or owned once."""
     cfg = engine_config(tmp_path, pool_tokens=64 * 16)
@@ -425,11 +429,12 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     slices = e.metrics.prefill_slices
     seq = admitted(e, long)
     e._step(Step([], [], (seq, 300), slice_s=1e-9))
-    assert e._pass is not None and slices._value.get() == 1 and seq.computed == 0
-    for _ in range(L - 1):  # one layer a step; the head goes with the last
+    units = e.runner.prefill_units(300, 300)
+    assert units >= L and e._pass is not None and slices._value.get() == 1 and seq.computed == 0
+    for _ in range(units - 1):  # one unit a step; the head goes with the last
         assert e._pass is not None
         e._step(Step([], [], slice_s=1e-9))
-    assert e._pass is None and slices._value.get() == L and seq.computed == 300
+    assert e._pass is None and slices._value.get() == units and seq.computed == 300
     assert await first_token(seq) == want  # the same token, and the same logits' digest
 
     e = engine()  # a short prompt's segment runs whole beside the sliced pass: its first token comes at once
@@ -443,7 +448,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     e = engine()
     seq = admitted(e, long)
     e._step(Step([], [], (seq, 300), slice_s=1e-9))
-    assert e._pass is not None  # one layer in of L
+    assert e._pass is not None  # one unit in
     e._cancel(seq)
     assert e._pass is None and e.metrics.prefill_aborted._value.get() == 1
     assert seq.computed == 0 and e.metrics.prefill_tokens.labels("computed")._value.get() == 0
