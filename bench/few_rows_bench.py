@@ -1,6 +1,7 @@
 """few_rows_bench: the few-row product kernel (model/kernels/few_row_product.cc) against XLA's bfloat16
 product, on every projection shape of a preset's served model, at 1, 2, 4, 16 and 32 rows (decode steps of
-that many sequences; the kernel takes up to 32 rows with AMX, else 4), side by side in one process.
+that many sequences; the kernel takes up to 32 rows with AMX or AVX-512, else 4), side by side in one process.
+A CPU without AMX gets its own report section (more than one row takes float32 FMAs there).
 
     python -m bench.few_rows_bench [--preset mini] [--repeats 21]
 
@@ -53,7 +54,8 @@ def measure(args) -> dict:
     xla = jax.jit(lambda x, w: jnp.einsum("bi,oi->bo", (jnp.concatenate([x, x]) if x.shape[0] == 1 else x)
                                           .astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)[:x.shape[0]])
     out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
-           "repeats": args.repeats, "rows": [n for n in ROWS if n <= cpu_kernels.few_rows_max()], "products": []}
+           "amx": cpu_kernels.decode_amx_available(), "repeats": args.repeats,
+           "rows": [n for n in ROWS if n <= cpu_kernels.few_rows_max()], "products": []}
     rng = np.random.default_rng(0)
     for (O, I), names in shapes(model).items():
         w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
@@ -84,7 +86,8 @@ def write(result: dict) -> None:
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Every bfloat16 projection shape of `{result['preset']}` served (out, in), at "
             f"{', '.join(str(n) for n in result['rows'])} rows: our few-row kernel (one row: AVX-512 BF16 dot "
-            "products; more: AMX tiles) against XLA's product as `ServingLinear` ran it before (one row as two). "
+            f"products; more: {'AMX tiles' if result.get('amx', True) else 'float32 FMAs (this CPU has no AMX)'}) "
+            "against XLA's product as `ServingLinear` ran it before (one row as two). "
             "Median of "
             f"{result['repeats']} calls each, alternating. GB/s is the weight bytes over the time; the small "
             "shapes' weights stay in the CPU's caches between calls here (not in a decode step), so only the "
@@ -93,7 +96,8 @@ def write(result: dict) -> None:
             report.markdown_table(["shape (out x in)", "projections", "rows", "kernel ms", "kernel GB/s", "XLA ms",
                                    "XLA GB/s", "XLA / kernel"], rows)]
     body.append(f"\n![few_rows_bench](bench/results/{plot(result)})")
-    report.update_section("Few-row products (few_rows_bench)", "\n".join(body))
+    where = "" if result.get("amx", True) else ", a CPU without AMX"
+    report.update_section(f"Few-row products (few_rows_bench{where})", "\n".join(body))
 
 
 def plot(result: dict) -> str:
@@ -111,7 +115,7 @@ def plot(result: dict) -> str:
     ax.set_title(f"few_rows_bench, {result['preset']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    return report.save_figure(fig, "few_rows_bench.png")
+    return report.save_figure(fig, "few_rows_bench.png" if result.get("amx", True) else "few_rows_bench_no_amx.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,7 +183,7 @@ def test_few_row_product_matches_a_float64_reference(M, O, I):
     """x rounded to bfloat16 as `x.astype(bfloat16)` does, times bfloat16 weights, summed in float32; O not a
     multiple of the kernel's blocks (4 rows for one x row, 32 with AMX), nor of its threads' shares."""
     if M > cpu_kernels.few_rows_max():
-        pytest.skip(f"{M} rows take AMX, which this CPU lacks")
+        pytest.skip(f"{M} rows take AMX or AVX-512, which this CPU lacks")
     rng = np.random.default_rng(M * O)
     x = rng.standard_normal((M, I)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
@@ -194,7 +194,8 @@ def test_few_row_product_matches_a_float64_reference(M, O, I):
 
 
 def test_a_row_gets_the_same_bits_whatever_other_rows_share_its_product():
-    """Within a path (one row; several rows, AMX tiles where the CPU has them): one row alone is its own path."""
+    """Within a path (one row; several rows: AMX tiles where the CPU has them, else float32 FMAs): one row alone
+    is its own path."""
     rng = np.random.default_rng(3)
     most = cpu_kernels.few_rows_max()
     x = rng.standard_normal((most, 1024)).astype(np.float32)
@@ -214,7 +215,7 @@ def test_a_batch_of_few_row_products_is_each_product_alone(N, M, O, I):
     own product's alone (O not a multiple of the blocks: 100 with AMX's 32-row blocks; the last two cases' x is
     large enough to be prepared on every thread, the second with a last group of one row)."""
     if M > cpu_kernels.few_rows_max():
-        pytest.skip(f"{M} rows take AMX, which this CPU lacks")
+        pytest.skip(f"{M} rows take AMX or AVX-512, which this CPU lacks")
     rng = np.random.default_rng(N * M * O)
     x = rng.standard_normal((N, M, I)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((N, O, I)), jnp.bfloat16)
@@ -241,9 +242,9 @@ def test_few_row_product_refuses_what_it_cannot_compute():
             few_rows(x, w)
 
 
-def test_few_rows_reach_32_with_amx_and_4_without():
-    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    assert cpu_kernels.few_rows_max() == (32 if amx else 4)
+def test_few_rows_reach_32_with_amx_or_avx512_and_4_without():
+    flags = Path("/proc/cpuinfo").read_text()
+    assert cpu_kernels.few_rows_max() == (32 if "amx_bf16" in flags or "avx512f" in flags else 4)
 
 
 LOAD_ELSEWHERE = """
@@ -252,21 +253,32 @@ import jax, jax.numpy as jnp, numpy as np
 library = ctypes.cdll.LoadLibrary(sys.argv[1])
 library.FewRowProductMaxRows.restype = ctypes.c_int64
 jax.ffi.register_ffi_target("few_rows_elsewhere", jax.ffi.pycapsule(library.FewRowProduct), platform="cpu")
+most = library.FewRowProductMaxRows()
 rng = np.random.default_rng(0)
-x = rng.standard_normal((3, 96)).astype(np.float32)
+x = rng.standard_normal((most, 96)).astype(np.float32)
 w = jnp.asarray(rng.standard_normal((37, 96)), jnp.bfloat16)
-got = jax.ffi.ffi_call("few_rows_elsewhere", jax.ShapeDtypeStruct((3, 37), jnp.float32))(x, w)
+def product(rows):
+    shape = jax.ShapeDtypeStruct((len(rows), 37), jnp.float32)
+    return np.asarray(jax.ffi.ffi_call("few_rows_elsewhere", shape)(x[rows], w))
 want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64) @ np.asarray(w, np.float64).T
-np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
-print(library.FewRowProductMaxRows())
+together = product(list(range(most)))
+np.testing.assert_allclose(together, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+assert np.array_equal(product([2, 0, most - 1]), together[[2, 0, most - 1]])  # a row's bits whoever shares it
+np.testing.assert_allclose(product([1])[0], want[1], atol=1e-5 * np.abs(want).max(), rtol=0)
+print(most)
 """
 
 
-@pytest.mark.parametrize("flags, most", [(["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"], 4),
-                                         (["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512bf16"], 4)])
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+
+
+@pytest.mark.parametrize("flags, most", [(NO_AMX, 32), (NO_AMX + ["-mno-avx512bf16"], 32), (["-mno-avx512f"], 4)])
 def test_few_row_product_on_cpus_without_amx_or_avx512_bf16(tmp_path, flags, most):
-    """The kernel's other paths, built here as they would be on an older CPU: AVX-512 BF16 without AMX
-    (up to 4 rows), and the portable loop."""
+    """The kernel's other paths, built here as they would be on another CPU: AVX-512 without AMX (up to 32
+    rows, float32 FMAs; one row by AVX-512 BF16 dot products, or without them by the portable loop), and the
+    portable loop (up to 4 rows). Each checked at its most rows, a row's bits whatever rows share it."""
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512 to build the AVX-512 paths for")
     library = tmp_path / "few_rows.so"
     built = subprocess.run(["g++", *cpu_kernels.FLAGS, *flags, f"-I{jax.ffi.include_dir()}",
                             str(cpu_kernels.SOURCES[1]), "-o", str(library)], capture_output=True, text=True)

@@ -1,14 +1,18 @@
 // A product of a few rows with a bfloat16 weight matrix for the CPU, as an XLA FFI custom call.
 //
 // y (M, O) = x (M, I) @ W (O, I)^T for a few rows M: what `ServingLinear` computes for a decode step of a
-// few sequences (up to 32 on a CPU with AMX, else up to 4; `FewRowProductMaxRows` says which). Such a
+// few sequences (up to 32 on a CPU with AMX or AVX-512, else up to 4; `FewRowProductMaxRows` says which). Such a
 // product reads every weight once and does little with it, so its time should be the time to stream W from
 // memory; XLA:CPU's bfloat16 product of one or two rows took 1.6-1.8x this kernel's time on `mini`'s LM head
 // (BENCHMARKS.md, few-row products). Here each weight row is read once for all M rows, the next block of
 // rows is prefetched while this one is multiplied, and blocks of outputs go to XLA's intra-op threads. One
 // row is AVX-512 BF16 dot products; 2-32 rows are AMX tile products (16 weight rows by 16 x rows, x laid out
 // in bfloat16 pairs, padded with zero rows, by 16 x 16 transposes of 32-bit words; each result tile transposed
-// in registers into y's rows), where the CPU and the kernel allow AMX (amx.h); float32 sums.
+// in registers into y's rows), where the CPU and the kernel allow AMX (amx.h); without AMX, 2-32 rows are
+// float32 FMAs of weights widened in registers (one unpack per 16), 4 weight rows by 4 x rows at a time, over
+// chunks of weight rows that stay in L2 while every group of 4 x rows takes them: where a CPU has AVX-512 BF16
+// but no AMX, its dot products may retire at well under half the FMAs' rate (1.2 against 5.2 G/s on one core
+// of a Xeon without AMX), so a product of more than a few rows is bound by them. float32 sums.
 //
 // Inputs:  x   f32   (M, I): each row rounded to bfloat16 (to nearest even), as `x.astype(bfloat16)` does
 //          w   bf16  (O, I)
@@ -17,8 +21,8 @@
 // decode's absorbed attention takes per head (a few rows through W_UK and W_UV of each head).
 //
 // Each output is one weight row's dot product with one x row, summed in an order fixed by I and by the
-// path (one row, or AMX for 2-32 rows): within a path a row's result does not depend on the other rows or
-// on how the outputs are shared.
+// path (one row; or 2-32 rows, AMX tiles or FMAs): within a path a row's result does not depend on the other
+// rows or on how the outputs are shared.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,7 +30,7 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -37,7 +41,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;      // without AMX
+constexpr int64_t kMaxRows = 4;      // without AMX or AVX-512
+constexpr int64_t kMaxFmaRows = 32;  // without AMX, with AVX-512: groups of kGroupRows x rows
+constexpr int64_t kGroupRows = 4;    // x rows whose float32 FMAs share a block of widened weight rows
+constexpr int64_t kChunkBytes = 1 << 17;  // weights a chunk of rows holds while every group of x rows takes it
 constexpr int64_t kMaxAmxRows = 32;  // two groups of 16 x rows per pass over a block of weight rows
 constexpr int64_t kStep = 32;       // bfloat16 weights per vector step (one 64-byte line)
 constexpr int64_t kBlockRows = 4;   // weight rows multiplied together, their lines prefetched one block ahead
@@ -129,6 +136,55 @@ void rows_block(const uint16_t* w, const uint16_t* xb, float* y, int64_t O, int6
 #endif
 
 
+#if defined(__AVX512F__)
+
+// x rows (bfloat16 bits) as float32, each 32 columns in the order that widening a 64-byte line of weights by
+// unpacking its words with zeros gives (per 128-bit lane, its low four words, then its high four).
+void widen_rows(const uint16_t* xb, float* xf, int64_t n) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < n; k += kStep) {
+    const __m512i v = _mm512_loadu_si512(xb + k);
+    _mm512_storeu_si512(xf + k, _mm512_unpacklo_epi16(zero, v));
+    _mm512_storeu_si512(xf + k + 16, _mm512_unpackhi_epi16(zero, v));
+  }
+}
+
+// Rows [o0, o1) of y for G x rows (xf: G rows of I floats laid out by widen_rows), R weight rows at a time:
+// each output a 16-lane float32 sum of FMAs, the low then the high half of every 32 columns, then reduced.
+template <int R, int G>
+inline void fma_rows(const uint16_t* block, const float* xf, float* y, int64_t O, int64_t I, bool prefetch) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < I; k += kStep) {
+    if (prefetch)  // the same line of the next block's rows (past the end is harmless)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * I + k), _MM_HINT_T0);
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_loadu_si512(block + r * I + k);
+      lo[r] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+      hi[r] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 xl = _mm512_loadu_ps(xf + g * I + k), xh = _mm512_loadu_ps(xf + g * I + k + 16);
+      for (int r = 0; r < R; ++r) acc[r][g] = _mm512_fmadd_ps(hi[r], xh, _mm512_fmadd_ps(lo[r], xl, acc[r][g]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) y[g * O + r] = _mm512_reduce_add_ps(acc[r][g]);
+}
+
+template <int G>
+void fma_block(const uint16_t* w, const float* xf, float* y, int64_t O, int64_t I, int64_t o0, int64_t o1,
+               bool prefetch) {
+  int64_t o = o0;
+  for (; o + kBlockRows <= o1; o += kBlockRows) fma_rows<kBlockRows, G>(w + o * I, xf, y + o, O, I, prefetch);
+  for (; o < o1; ++o) fma_rows<1, G>(w + o * I, xf, y + o, O, I, false);  // the same sums, a row at a time
+}
+
+#endif
+
 #ifdef DEEPINFER_AMX
 
 // A tile of results (16 weight rows x 16 x rows, float32) into y: rows of x group `group`, outputs from `first`,
@@ -195,7 +251,11 @@ int64_t max_rows() {
 #ifdef DEEPINFER_AMX
   if (deepinfer::amx_granted()) return kMaxAmxRows;
 #endif
+#if defined(__AVX512F__)
+  return kMaxFmaRows;
+#else
   return kMaxRows;
+#endif
 }
 
 ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -242,6 +302,36 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   };
   int64_t unit = kBlockRows;  // an item's rows are a multiple of this
   bool tiles = false;
+#if defined(__AVX512F__)
+  std::unique_ptr<float[]> xf;
+  if (M > 1 && !deepinfer::amx_granted()) {  // float32 FMAs (AMX tiles below where the CPU grants them)
+    xf.reset(new float[N * M * I]);
+    each((all_rows + kConvertRows - 1) / kConvertRows, [&](int64_t i) {
+      const int64_t first = i * kConvertRows, rows = std::min(kConvertRows, all_rows - first);
+      widen_rows(xb.get() + first * I, xf.get() + first * I, rows * I);
+    });
+    const int64_t chunk = std::max<int64_t>(kBlockRows, kChunkBytes / (2 * I) / kBlockRows * kBlockRows);
+    run = [&, chunk](int64_t n, int64_t o0, int64_t o1) {
+      const uint16_t* wn = wp + n * O * I;
+      const float* xn = xf.get() + n * M * I;
+      float* yn = yp + n * M * O;
+      for (int64_t c0 = o0; c0 < o1; c0 += chunk) {  // a chunk of weight rows, for every group of x rows
+        const int64_t c1 = std::min(o1, c0 + chunk);
+        for (int64_t g = 0; g < M; g += kGroupRows) {
+          const float* xg = xn + g * I;
+          float* yg = yn + g * O;
+          const bool first = g == 0;  // the first group streams the chunk from memory: it prefetches
+          switch (std::min(kGroupRows, M - g)) {
+            case 1: fma_block<1>(wn, xg, yg, O, I, c0, c1, first); break;
+            case 2: fma_block<2>(wn, xg, yg, O, I, c0, c1, first); break;
+            case 3: fma_block<3>(wn, xg, yg, O, I, c0, c1, first); break;
+            default: fma_block<4>(wn, xg, yg, O, I, c0, c1, first); break;
+          }
+        }
+      }
+    };
+  }
+#endif
 #ifdef DEEPINFER_AMX
   std::unique_ptr<uint16_t[]> xv;
   const int64_t groups = (M + 15) / 16, padded = groups * 16 * I;  // one batch's x as laid out for the tiles
