@@ -117,6 +117,15 @@ class MLAttention(nnx.Module):
         v_NSV = jnp.einsum("sc,cnv->nsv", c_SC, self.w_uv[...], preferred_element_type=jnp.float32)
         return jnp.concatenate([k_nope_NSH.astype(dtype), kpe_NSR], axis=-1), v_NSV.astype(dtype)
 
+    def expand_into(self, rows_RA: jax.Array, first: jax.Array, into: tuple[jax.Array, jax.Array], dtype
+                    ) -> tuple[jax.Array, jax.Array]:
+        """`expand` of R cache rows that hold positions [first, first + R), written at those rows of `into` (keys
+        and values as `expand` returns them, with more rows than the view): a sequence's later prefill
+        segments expand their own rows only. Rows past `into`'s end are not written (a padded segment's tail)."""
+        index_R = first + jnp.arange(rows_RA.shape[0])
+        return tuple(buf.at[:, index_R].set(new, mode="drop")
+                     for buf, new in zip(into, self.expand(rows_RA, rows_RA.shape[0], dtype)))
+
     def attend(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array, positions_T: jax.Array, cache_SA: jax.Array,
                view: int, expanded: tuple[jax.Array, jax.Array] | None, key_block: int = KEY_BLOCK) -> jax.Array:
         """Attention of T queries over cache rows [0, view); returns (T, D).

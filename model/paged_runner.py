@@ -288,6 +288,20 @@ def _expand_pages(layer, pool_PBA, table_Q, end, into_NSX):
     return layer.attn.expand_pages(pool_PBA, table_Q, end, into_NSX)
 
 
+def _expand_rows(layer, pool_PBA, slots_R, first, into):
+    """The expanded form's keys and values of pool slots slots_R (positions [first, first + R) of a sequence),
+    written at those rows of `into` (`MLAttention.expand_into`)."""
+    P, B, A = pool_PBA.shape
+    rows_RA = pool_PBA.reshape(P * B, A).at[slots_R].get(mode="promise_in_bounds")
+    return layer.attn.expand_into(rows_RA, first, into, layer.attn.w_uk.dtype)
+
+
+@partial(jax.jit, static_argnums=(1,))
+def _grow(expanded, rows):
+    """Expanded keys and values in buffers of `rows` rows, their rows first."""
+    return tuple(jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0))) for x in expanded)
+
+
 def _attend_laid(layer, q_nope_NTH, q_pe_NTR, laid_NSX, positions_T):
     """A chunk's expanded attention over its sequence's keys and values laid out by `_expand_pages`: (T, D).
     Apart from the feed-forward (`_finish_attended`), so that only this small call compiles per view bucket."""
@@ -310,6 +324,7 @@ class PagedLayerCalls(NamedTuple):
     project: Callable  # (x_TD, pool_PBA (donated), positions_T, slots_T) -> q_nope_NTH, q_pe_NTR, pool_PBA
     finish_tiles: Callable  # (x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, form, positions_MT)
     expand: Callable  # (pool_PBA, table_Q, end, into_NSX (donated)) -> laid_NSX: the expanded keys and values
+    expand_rows: Callable  # (pool_PBA, slots_R, first, into (donated)) -> keys and values with rows R expanded
     attend_laid: Callable  # (q_nope_NTH, q_pe_NTR, laid_NSX, positions_T) -> (T, D)
     finish_attended: Callable  # (x_TD, attended_TD) -> (T, D): the residual and the feed-forward
 
@@ -317,6 +332,7 @@ class PagedLayerCalls(NamedTuple):
     def of(cls, layer: SplitModule, dense: LayerCalls) -> "PagedLayerCalls":
         return cls(dense, layer.jit(_project_paged, donate_argnums=(1,)),
                    layer.jit(_finish_tiles, static_argnums=(5, 6)), layer.jit(_expand_pages, donate_argnums=(3,)),
+                   layer.jit(_expand_rows, donate_argnums=(3,)),
                    layer.jit(_attend_laid), layer.jit(_finish_attended))
 
 
@@ -349,6 +365,7 @@ MAX_PASS_TILES = 8  # tiles (pages of query rows) of one prefill_segments pass a
 MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass at most
 MAX_TILE_VIEW = 4096  # rows of the longest view a prefill_segments pass reads (or gathers) per tile
 LAID_ROWS = 4096  # the expanded form's keys and values buffer: rows, at least (then powers of two)
+KEPT_BYTES = 2 << 30  # sequences' expanded keys and values kept between their prefill segments, at most (`_Kept`)
 
 
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
@@ -363,6 +380,19 @@ def view_bucket(n: int, page: int, steps: int = 1) -> int:
     unit = _pow2(n) // (2 * pieces)
     size = -(-n // unit) * unit
     return -(-size // page) * page
+
+
+class _Kept(NamedTuple):
+    """A sequence's expanded keys and values of every layer, kept from its last prefill segment over gathered views
+    for its next one (which then expands only its own rows): valid for positions [0, end) of its pages `pages`."""
+    context: object
+    pages: tuple[int, ...]
+    end: int
+    layers: list[tuple[jax.Array, jax.Array]]
+
+    @property
+    def bytes(self) -> int:
+        return sum(x.nbytes for layer in self.layers for x in layer)
 
 
 class DecodeRow(NamedTuple):
@@ -424,6 +454,9 @@ class PagedRunner:
         attn = model.layers[0].attn
         self._laid_heads_width = (attn.num_heads, attn.laid_width())  # the expanded form's keys and values
         self._laid: jax.Array | None = None  # their buffer, kept between segments (`_take_laid`)
+        self._expanded_row_bytes = (len(model.layers) * attn.num_heads * attn.laid_width()
+                                    * jnp.dtype(attn.w_uk.dtype).itemsize)  # a position's expanded keys and values
+        self._kept: dict[int, _Kept] = {}  # by id(context), oldest first (`_take_kept`)
 
     @property
     def decode_attention(self) -> str:
@@ -541,11 +574,13 @@ class PagedRunner:
             yield x_RD
         return self._head_rows(x_RD, jnp.asarray(last_K))
 
-    def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> jax.Array:
+    def prefill(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool, context: object = None,
+                keep: bool = False) -> jax.Array:
         """`prefill_layers` run through: the logits (V,) or the last chunk's output, dispatched."""
-        return run_layers(self.prefill_layers(tokens, start, pages, want_logits))
+        return run_layers(self.prefill_layers(tokens, start, pages, want_logits, context, keep))
 
-    def prefill_layers(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool) -> PrefillLayers:
+    def prefill_layers(self, tokens: np.ndarray, start: int, pages: list[int], want_logits: bool,
+                       context: object = None, keep: bool = False) -> PrefillLayers:
         """Computes positions [start, start + n) of one sequence whose pages hold its latents [0, start);
         writes their latents into `pages`. With the CPU's prefill kernel attention reads the pages in place:
         absorbed (`_finish_tiles`, one tile per chunk), or expanded (`_expand_pages` once per layer, a unit of its
@@ -554,7 +589,14 @@ class PagedRunner:
         expanded form). Yields after each unit's dispatch (`PrefillLayers`: a chunk of a layer, or a layer's
         expansion; `prefill_units`); returns the logits (V,) at
         the last position if asked, else the last chunk's output (T, D): dispatched, not waited for; a caller
-        that times the segment blocks on it."""
+        that times the segment blocks on it.
+
+        `context` (the sequence, compared by identity) and `keep` (its next segment follows): over gathered views
+        in the expanded form, a segment expands the whole view in every layer, so a long prompt cut into many
+        segments (a sliced pass among decoding streams) expanded its first rows again and again: on a CPU without
+        AMX a 16K miss's passes took 219 s among 15 streams (46 passes) against 128 s alone (8). With `keep` the
+        pass keeps its keys and values (`KEPT_BYTES` at most, all sequences'); the sequence's next segment in that
+        form, given the same context, then expands only the rows computed since (`forget` drops them)."""
         tokens = np.asarray(tokens, np.int64)
         n, end = tokens.size, start + tokens.size
         if len(pages) * self.page < end:
@@ -579,6 +621,14 @@ class PagedRunner:
         if in_place:  # one tile per chunk
             tables_1Q, positions_1T = table[None], [p[None] for p in positions]
         end_, laid_NSX = jnp.asarray(end, jnp.int32), None
+        over_views = context is not None and not (in_place or absorbed)  # the expanded form over gathered views
+        kept = self._take_kept(context, start, pages) if over_views else None
+        rows = max(_pow2(view), kept.layers[0][0].shape[1] if kept else 0)  # rows of the kept keys and values
+        keep = keep and over_views and rows * self._expanded_row_bytes <= KEPT_BYTES
+        kept_layers = []
+        if kept is not None:  # rows [kept.end, end): this segment's, and any an absorbed segment computed before it
+            new_positions = kept.end + np.arange(_pow2(end - kept.end), dtype=np.int32)
+            new_slots, first_ = jnp.asarray(self._slots(new_positions, pages, end)), jnp.asarray(kept.end, jnp.int32)
         for layer, calls in enumerate(self._layer_calls):
             pool_PBA = self.pool.layers[layer]
             queries = []
@@ -603,8 +653,17 @@ class PagedRunner:
                     yield chunks[i]
             else:  # over a view gathered once per layer: as in place, a unit per chunk (and one for the expansion)
                 kv_SA, expanded = _gather_view(pool_PBA, table), None
-                if not absorbed:
+                if kept is not None:  # the new rows only, into the keys and values of the rows before
+                    expanded = kept.layers[layer]
+                    if expanded[0].shape[1] < rows:
+                        expanded = _grow(expanded, rows)
+                    expanded = calls.expand_rows(pool_PBA, new_slots, first_, expanded)
+                elif not absorbed:
                     expanded = calls.dense.expand(kv_SA, view)
+                    if keep:
+                        expanded = _grow(expanded, rows)
+                if expanded is not None:
+                    kept_layers.append(expanded)
                     yield expanded
                 for i in range(count):
                     chunks[i] = calls.dense.finish(chunks[i], *queries[i], kv_SA, np.int32(start + offsets[i]),
@@ -612,9 +671,31 @@ class PagedRunner:
                     yield chunks[i]
         if laid_NSX is not None:
             self._laid = laid_NSX  # for the next segment (a pass closed part-way drops its buffer)
+        if keep:
+            self._keep(_Kept(context, tuple(pages[:-(-end // self.page)]), end, kept_layers))
         if not want_logits:
             return chunks[-1]
         return self.dense.logits(chunks[-1], (n - 1) - offsets[-1])
+
+    def _take_kept(self, context: object, start: int, pages: list[int]) -> _Kept | None:
+        """The context's kept keys and values, taken out (a pass closed part-way drops them), if they hold
+        positions [0, end) of these pages for an end at or before `start` (absorbed segments between add none)."""
+        kept = self._kept.pop(id(context), None)
+        if kept is None or kept.context is not context or kept.end > start:
+            return None
+        return kept if tuple(pages[:len(kept.pages)]) == kept.pages else None
+
+    def _keep(self, kept: _Kept) -> None:
+        """Keeps a sequence's keys and values for its next segment; the oldest others go past `KEPT_BYTES`."""
+        self._kept[id(kept.context)] = kept
+        while sum(k.bytes for k in self._kept.values()) > KEPT_BYTES:
+            self._kept.pop(next(iter(self._kept)))
+
+    def forget(self, context: object) -> None:
+        """Drops what is kept for the context (a sequence finished, cancelled or preempted)."""
+        kept = self._kept.get(id(context))
+        if kept is not None and kept.context is context:
+            del self._kept[id(context)]
 
     def _take_laid(self, end: int) -> jax.Array:
         """A buffer for the expanded form's keys and values of rows [0, end): the one kept from the last segment

@@ -3,6 +3,7 @@ interleaving, cancellation and page accounting, with a real Valkey index and rea
 import asyncio
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -384,6 +385,67 @@ def test_a_pass_over_gathered_views_is_sliced_by_chunks_too(form):
     run_whole_and_sliced(cfg, init_model(cfg), form, False)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_a_sequences_segments_over_views_expand_only_their_new_rows_into_what_it_kept(tiny, dtype, tolerance):
+    """Over gathered views in the expanded form, a segment given its sequence (`context`) and `keep` keeps every
+    layer's keys and values; the sequence's next segment expands only the rows computed since (an absorbed
+    segment's between included) into them. Its logits are those of the segments each expanding its whole view,
+    and of the prompt in one pass; the kept keys and values are the whole view's expansion; what is kept is
+    dropped by the last segment, by `forget`, and when another context or other pages come."""
+    cfg = tiny.config
+    p, table = prompt(90, 700), list(range(1, 13))
+    cuts = [(0, 130, "expanded"), (130, 300, "expanded"), (300, 340, "absorbed"), (340, 520, "expanded"),
+            (520, 700, "expanded")]
+    runs = {}
+    for how in ("kept", "each view", "one pass"):
+        paged = PagedRunner(serving_model(tiny.model, dtype), cfg, LatentPool(cfg, 16, 64), chunk_tokens=128,
+                            prefill_in_place=False)
+        seq = object()
+        if how == "one pass":
+            paged.dense.attention = "expanded"
+            runs[how] = np.asarray(paged.prefill(p, 0, table, True))
+            continue
+        for start, end, form in cuts:
+            paged.dense.attention = form
+            last = end == len(p)
+            context = seq if how == "kept" else None
+            logits = paged.prefill(p[start:end], start, table, last, context, keep=not last)
+            kept = paged._kept.get(id(seq))
+            if how == "kept" and not last:
+                assert kept is not None and kept.end == (start if form == "absorbed" else end)
+                if start == 340:  # the kept rows [0, 520) against the whole view expanded at once
+                    calls, view = paged._layer_calls[1], 576
+                    whole = calls.dense.expand(paged.pool.layers[1].reshape(-1, cfg.latent_dim)[
+                        np.concatenate([np.arange(64) + 64 * page for page in table[:9]])], view)
+                    for got, want in zip(kept.layers[1], whole):
+                        got, want = np.asarray(got[:, :520], np.float32), np.asarray(want[:, :520], np.float32)
+                        np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max())
+            else:
+                assert kept is None
+        runs[how] = np.asarray(logits)
+        assert not paged._kept
+    for how in ("each view", "one pass"):
+        np.testing.assert_allclose(runs["kept"], runs[how], atol=tolerance * np.abs(runs[how]).max())
+    # The next segment reads what was kept: kept rows zeroed, its logits change.
+    paged.dense.attention = "expanded"
+    outs = []
+    for zeroed in (False, True):
+        paged.prefill(p[:130], 0, table, False, seq, keep=True)
+        if zeroed:
+            kept = paged._kept[id(seq)]
+            paged._kept[id(seq)] = kept._replace(layers=[tuple(jnp.zeros_like(x) for x in kv) for kv in kept.layers])
+        outs.append(np.asarray(paged.prefill(p[130:200], 130, table, True, seq)))
+    assert not np.allclose(*outs, atol=1e-3 * np.abs(outs[0]).max())
+    # Another context, other pages, or `forget`: nothing kept is used, and it is gone.
+    for other, pages in ((object(), table), (seq, list(range(13, 16)) + table[3:])):
+        paged.prefill(p[:130], 0, table, False, seq, keep=True)
+        assert paged._kept[id(seq)].end == 130
+        paged.prefill(p[130:200], 130, pages, False, other, keep=False)
+        assert (id(seq) in paged._kept) == (other is not seq)
+        paged.forget(seq)
+        assert not paged._kept
+
+
 async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is_cancelled_or_preempted(tiny, tmp_path):
     """Engine steps driven by hand (no model thread): a segment given a budget smaller than one unit's cost runs
     one unit (a layer's chunk) a step and stays in flight; finished that way, its first token and logits are those
@@ -469,6 +531,22 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     assert decoding.computed == 65 and len(decoding.pages) == 2
     e.pages.release(filler)
     e.pages.check([decoding.pages])
+
+    # Over gathered views in the expanded form, a prompt's segment keeps its keys and values for the next one
+    # (PagedRunner's `keep`); its last segment, or a cancellation (as a preemption, it closes the sequence's pass),
+    # drops them.
+    for end in ("last segment", "cancelled"):
+        e = engine()
+        e.runner.dense.attention = "expanded"
+        seq = admitted(e, long)
+        e._step(Step([], [(seq, 128)]))
+        assert seq.computed == 128 and (id(seq) in e.runner._kept) == (not e.runner.prefill_reads_pages)
+        if end == "last segment":
+            e._step(Step([], [(seq, 172)]))
+            assert seq.computed == 300 and seq.generated == 1
+        else:
+            e._cancel(seq)
+        assert not e.runner._kept
 
 
 @pytest.mark.parametrize("dtype, path, tolerance", [("bfloat16", "auto", 3e-2), ("float32", "float32", 1e-4)])

@@ -364,8 +364,12 @@ class Engine:
             wanted = [seq for seq, n in group if self._completes(seq, n)]
             if len(group) == 1:
                 (seq, n), = group
+                # Over gathered views the pass may reuse the keys and values its sequence's last one kept and keep
+                # its own for the next (not in batch-invariant mode, whose bits must not depend on what was kept).
+                context = None if self.cfg.batch_invariant else seq
                 layers = self.runner.prefill_layers(np.asarray(seq.tokens[seq.computed:seq.computed + n]),
-                                                    seq.computed, seq.pages, bool(wanted))
+                                                    seq.computed, seq.pages, bool(wanted), context,
+                                                    keep=seq.computed + n < seq.target)
             else:
                 layers = self.runner.prefill_segments_layers([
                     Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
@@ -415,7 +419,8 @@ class Engine:
     def _abort_pass(self, seq: Sequence) -> None:
         """Closes the pass in flight if `seq` is in it (cancelled, finished or preempted: its pages are about to
         be freed, and no later layer may write into them). Its sequences keep their `computed`: they compute
-        the segment again."""
+        the segment again. What the runner kept of `seq` for its next segment goes too."""
+        self.runner.forget(seq)
         run = self._pass
         if run is not None and any(s is seq for s, _ in run.group):
             run.layers.close()
@@ -433,6 +438,8 @@ class Engine:
         self.metrics.prefill_passes.inc()
         for seq, n in group:
             seq.computed += n
+            if not seq.prefilling:
+                self.runner.forget(seq)
             self.metrics.prefill_tokens.labels("computed").inc(n)
             self._publish(seq)
             if seq not in wanted and seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
