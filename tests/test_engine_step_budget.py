@@ -120,7 +120,9 @@ def test_a_segment_never_goes_below_one_block_however_cheap_decoding_is():
     s = scheduler()
     first, second = running(s, (20000, 16384), (3000, 0))
     step = s.schedule(cost)
-    assert step.prefill == [] and step.sliced == (first, 64)  # the oldest progresses, sliced; the other waits
+    # Neither fits: the sliced pass goes to the one with less left to compute (3,000 tokens from 0 against the
+    # older one's 3,616 at 16K); the other waits.
+    assert step.prefill == [] and step.sliced == (second, 64)
     s2 = scheduler()
     tail, = running(s2, (16400, 16384))
     assert s2.schedule(cost).sliced == (tail, 16)  # the rest of a prompt, shorter than a block
@@ -191,6 +193,22 @@ def test_short_prompts_are_not_stuck_behind_a_sliced_pass():
     assert in_flight.slice_s == pytest.approx(budget - cost.prefill_s(n, n))
     # With no costs to size by, the pass in flight runs to its end before any other segment.
     assert s.schedule(None, in_pass=[long]) == Step(in_flight.decode, [])
+
+
+def test_of_sequences_that_need_a_sliced_pass_the_one_with_least_left_gets_it():
+    """A short prompt whose smallest segment does not fit a step waits for the long one's sliced pass in flight,
+    then gets the next sliced pass before the long one (shortest remaining time first): taken by age, the long
+    one's passes came one after another and the short prompt's first token after all of them (44-108 s behind a
+    16K miss on a CPU without AMX)."""
+    cost = measured(decode_s=0.002)  # a step's prefill gets 4 ms: 64 tokens take 6.4 ms at context 0
+    s = scheduler()
+    long, short = running(s, (20000, 16384), (3000, 0))
+    # The short one's rest: 0.3 s; the long one's: 1.08 s. A pass is sized to 32 budgets (128 ms): 1,024 tokens.
+    assert s.schedule(cost).sliced == (short, 1024)
+    in_flight = s.schedule(cost, in_pass=[long])  # (as if the long one's pass were in flight)
+    assert in_flight.prefill == [] and in_flight.sliced is None
+    short.computed = 1024  # its pass done: the next one is still its own
+    assert s.schedule(cost).sliced == (short, 1024)
 
 
 def test_the_ratio_scales_the_segment():

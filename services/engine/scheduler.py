@@ -9,7 +9,8 @@ step costs (step_cost.py), the segments are sized so that their predicted time i
 over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences prefill than
 decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a long
 context: 64 tokens at 16K cost several decode steps), or where it would cost SLICE_GAIN more per token than a
-large segment (a pass's fixed cost dominates small ones), the oldest such sequence gets a sliced pass: a segment
+large segment (a pass's fixed cost dominates small ones), the one such sequence with the least left to compute
+(its rest predicted, shortest first) gets a sliced pass: a segment
 predicted to take up to SLICED_STEPS budgets, computed a few units per step (layers, or a layer's chunks, each
 timed: the slice ends at the unit boundary nearest what the budget holds after the step's other segments, at
 least one unit) between the decode steps, so a step's prefill stays near its budget at any context. One sliced
@@ -164,8 +165,9 @@ class Scheduler:
                        in_pass: Collection[Sequence]) -> Step:
         """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
         admission order (but those of the pass in flight) the largest segment size that fits what is left (its
-        rest of the prompt if that fits). With no pass in flight, the oldest one whose smallest size does not
-        fit, or whose fitting size computes SLICE_GAIN fewer tokens a second, gets a sliced pass: the largest size
+        rest of the prompt if that fits). With no pass in flight, of those whose smallest size does not fit, or
+        whose fitting size computes SLICE_GAIN fewer tokens a second, the one whose rest of the prompt is predicted
+        to take least gets a sliced pass (the others' fitting segments still run): the largest size
         predicted within SLICED_STEPS times the step's budget (at least the smallest), so a prefill progresses
         whatever the decode costs. The sliced pass, new or in flight, gets the seconds left."""
         sizes = self.policy.segment_sizes()
@@ -174,19 +176,19 @@ class Scheduler:
         def rate(n: int, computed: int) -> float:  # tokens per second of an n-token segment in a pass of its own
             return n / max(cost.prefill_s(n, computed + n), 1e-9)
 
-        prefill, sliced = [], None
+        prefill, wanting = [], []  # wanting: (predicted time of the rest of its prompt, sequence, slice size)
+
+        def predicted(seq: Sequence, n: int) -> float:  # after the first, segments mostly join its pass (d paid)
+            return cost.prefill_s(n, seq.computed + n) - (cost.prefill.per_pass_s if prefill else 0.0)
+
         for seq in self.running:
             if not seq.prefilling or seq in in_pass:
                 continue
             left = seq.target - seq.computed
-
-            def predicted(n: int) -> float:  # after the first, segments mostly join its pass (its d is paid)
-                return cost.prefill_s(n, seq.computed + n) - (cost.prefill.per_pass_s if prefill else 0.0)
-
             candidates = list(dict.fromkeys(min(n, left) for n in sizes))
-            fitting = [n for n in candidates if predicted(n) <= seconds]
+            fitting = [n for n in candidates if predicted(seq, n) <= seconds]
             slice_n = None
-            if sliced is None and not in_pass:
+            if not in_pass:
                 within = [n for n in candidates if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
                 slice_n = within[-1] if within else candidates[0]
             if fitting and not (slice_n is not None and slice_n > fitting[-1]
@@ -195,9 +197,23 @@ class Scheduler:
                 # fixed cost d: a little slack the default ratio was tuned with. Charging d (as a step really
                 # pays it) gave the trace at 16 users 62-65 output tok/s against 72-78 (serve_bench sweep, A/B).
                 prefill.append((seq, fitting[-1]))
-                seconds -= predicted(fitting[-1])
+                seconds -= predicted(seq, fitting[-1])
             elif slice_n is not None:
-                sliced = (seq, slice_n)
+                wanting.append((cost.prefill_s(left, seq.target), seq, slice_n))
+        # The sliced pass goes to the sequence with the least left to compute (shortest remaining time first): a
+        # short prompt whose smallest segment does not fit a step went behind a 16K miss's sliced passes, one
+        # after another, and got its first token after 44-108 s (serve_bench's interference phase, a CPU without
+        # AMX); it now waits for the pass in flight at most. The others' segments that fit still run.
+        sliced = None
+        if wanting:
+            _, seq, n = min(wanting, key=lambda w: w[0])
+            sliced = (seq, n)
+            for _, other, n in wanting:
+                left = other.target - other.computed
+                fitting = [m for m in dict.fromkeys(min(m, left) for m in sizes) if predicted(other, m) <= seconds]
+                if other is not seq and fitting:
+                    prefill.append((other, fitting[-1]))
+                    seconds -= predicted(other, fitting[-1])
         if sliced is None and not in_pass:
             return Step(decode, prefill)
         return Step(decode, prefill, sliced, max(seconds, 0.0))
