@@ -181,39 +181,44 @@ class Scheduler:
         def predicted(seq: Sequence, n: int) -> float:  # after the first, segments mostly join its pass (d paid)
             return cost.prefill_s(n, seq.computed + n) - (cost.prefill.per_pass_s if prefill else 0.0)
 
+        def candidates(seq: Sequence) -> list[int]:  # its segment sizes, the last its rest of the prompt
+            return list(dict.fromkeys(min(n, seq.target - seq.computed) for n in sizes))
+
+        def fitting(seq: Sequence) -> list[int]:  # its sizes that fit what the step has left
+            return [n for n in candidates(seq) if predicted(seq, n) <= seconds]
+
+        def add(seq: Sequence, n: int) -> None:
+            nonlocal seconds
+            prefill.append((seq, n))
+            seconds -= predicted(seq, n)  # charged after it joins `prefill`: see the first call
+
         for seq in self.running:
             if not seq.prefilling or seq in in_pass:
                 continue
-            left = seq.target - seq.computed
-            candidates = list(dict.fromkeys(min(n, left) for n in sizes))
-            fitting = [n for n in candidates if predicted(seq, n) <= seconds]
+            fits = fitting(seq)
             slice_n = None
             if not in_pass:
-                within = [n for n in candidates if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
-                slice_n = within[-1] if within else candidates[0]
-            if fitting and not (slice_n is not None and slice_n > fitting[-1]
-                                and rate(slice_n, seq.computed) >= SLICE_GAIN * rate(fitting[-1], seq.computed)):
+                within = [n for n in candidates(seq) if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
+                slice_n = within[-1] if within else candidates(seq)[0]
+            if fits and not (slice_n is not None and slice_n > fits[-1]
+                             and rate(slice_n, seq.computed) >= SLICE_GAIN * rate(fits[-1], seq.computed)):
                 # Charged after it joins `prefill`, so the step's first segment is charged without its pass's
                 # fixed cost d: a little slack the default ratio was tuned with. Charging d (as a step really
                 # pays it) gave the trace at 16 users 62-65 output tok/s against 72-78 (serve_bench sweep, A/B).
-                prefill.append((seq, fitting[-1]))
-                seconds -= predicted(seq, fitting[-1])
+                add(seq, fits[-1])
             elif slice_n is not None:
-                wanting.append((cost.prefill_s(left, seq.target), seq, slice_n))
+                wanting.append((cost.prefill_s(seq.target - seq.computed, seq.target), seq, slice_n))
         # The sliced pass goes to the sequence with the least left to compute (shortest remaining time first): a
         # short prompt whose smallest segment does not fit a step went behind a 16K miss's sliced passes, one
         # after another, and got its first token after 44-108 s (serve_bench's interference phase, a CPU without
         # AMX); it now waits for the pass in flight at most. The others' segments that fit still run.
         sliced = None
         if wanting:
-            _, seq, n = min(wanting, key=lambda w: w[0])
-            sliced = (seq, n)
-            for _, other, n in wanting:
-                left = other.target - other.computed
-                fitting = [m for m in dict.fromkeys(min(m, left) for m in sizes) if predicted(other, m) <= seconds]
-                if other is not seq and fitting:
-                    prefill.append((other, fitting[-1]))
-                    seconds -= predicted(other, fitting[-1])
+            _, chosen, n = min(wanting, key=lambda w: w[0])
+            sliced = (chosen, n)
+            for _, seq, _ in wanting:
+                if seq is not chosen and (fits := fitting(seq)):
+                    add(seq, fits[-1])
         if sliced is None and not in_pass:
             return Step(decode, prefill)
         return Step(decode, prefill, sliced, max(seconds, 0.0))
