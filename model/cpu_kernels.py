@@ -71,6 +71,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 tiles (its flags say so; whether the OS grants them is the kernels'
+    own check): XLA's bfloat16 products run on them, and without them take slower paths (model/serving.py)."""
+    return "amx_bf16" in _cpu_flags().split()
+
+
 def _build(compiler: str) -> Path:
     """The shared library for this source, compiler, JAX and CPU: from the cache, else compiled into it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout

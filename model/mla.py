@@ -76,6 +76,14 @@ class MLAttention(nnx.Module):
         # Absorbed prefill attention by our CPU kernel (model/cpu_kernels.py); the served model sets it where
         # the kernel runs (bfloat16 on a CPU with AMX).
         self.prefill_kernel = False
+        # Prefill attention's products take float32 inputs (bfloat16 ones widened) where the served model sets
+        # it: a CPU without AMX, whose bfloat16 products are slow (model/serving.py).
+        self.wide = False
+
+    def products_dtype(self):
+        """The input dtype of prefill attention's products and of expanded keys and values: the weights', or
+        float32 with `wide`."""
+        return jnp.float32 if self.wide else self.w_uk.dtype
 
     def _rope(self, x_TNR: jax.Array, positions_T: jax.Array) -> jax.Array:
         return apply_rope(x_TNR, positions_T, np.asarray(self.inv_freq, np.float32), self.rope_scaling)
@@ -137,9 +145,10 @@ class MLAttention(nnx.Module):
         (online softmax, scores (N, T, key_block) at a time); otherwise, and with key_block=0, in one pass.
 
         Products take their inputs at the weights' dtype (a bfloat16-served model's queries arrive in
-        float32 and are rounded here, model/serving.py) and accumulate scores and outputs in float32.
+        float32 and are rounded here, model/serving.py), or in float32 with `wide`, and accumulate scores and
+        outputs in float32.
         """
-        T, dtype = q_nope_NTH.shape[1], self.w_uk.dtype
+        T, dtype = q_nope_NTH.shape[1], self.products_dtype()
         q_nope_NTH, q_pe_NTR = q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype)
         block = key_block_for(view, key_block)
         if expanded is None and T > 1 and self.prefill_kernel and cache_SA.dtype == jnp.uint16:

@@ -277,7 +277,7 @@ def _finish_tiles(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, view, 
     q_pe_MNTR = q_pe_NRR.reshape(q_pe_NRR.shape[0], M, T, -1).transpose(1, 0, 2, 3)
 
     def one(q_nope_NTH, q_pe_NTR, positions_T, kv_SA):
-        expanded = None if form == "absorbed" else attn.expand(kv_SA, view, attn.w_uk.dtype)
+        expanded = None if form == "absorbed" else attn.expand(kv_SA, view, attn.products_dtype())
         return attn.attend(q_nope_NTH, q_pe_NTR, positions_T, kv_SA, view, expanded)
 
     x_RD = x_RD + jax.vmap(one)(q_nope_MNTH, q_pe_MNTR, positions_MT, kv_MSA).reshape(M * T, -1)
@@ -293,7 +293,7 @@ def _expand_rows(layer, pool_PBA, slots_R, first, into):
     written at those rows of `into` (`MLAttention.expand_into`)."""
     P, B, A = pool_PBA.shape
     rows_RA = pool_PBA.reshape(P * B, A).at[slots_R].get(mode="promise_in_bounds")
-    return layer.attn.expand_into(rows_RA, first, into, layer.attn.w_uk.dtype)
+    return layer.attn.expand_into(rows_RA, first, into, layer.attn.products_dtype())
 
 
 @partial(jax.jit, static_argnums=(1,))
@@ -454,8 +454,9 @@ class PagedRunner:
         attn = model.layers[0].attn
         self._laid_heads_width = (attn.num_heads, attn.laid_width())  # the expanded form's keys and values
         self._laid: jax.Array | None = None  # their buffer, kept between segments (`_take_laid`)
+        # a position's expanded keys and values, all layers
         self._expanded_row_bytes = (len(model.layers) * attn.num_heads * attn.laid_width()
-                                    * jnp.dtype(attn.w_uk.dtype).itemsize)  # a position's expanded keys and values
+                                    * jnp.dtype(attn.products_dtype()).itemsize)
         self._kept: dict[int, _Kept] = {}  # by id(context), oldest first (`_take_kept`)
 
     @property

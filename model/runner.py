@@ -104,7 +104,7 @@ def _project(layer, x_TD, cache_SA, start):
 
 
 def _expand(layer, cache_SA, view):
-    return layer.attn.expand(cache_SA, view, layer.attn.w_uk.dtype)
+    return layer.attn.expand(cache_SA, view, layer.attn.products_dtype())
 
 
 def _bits_dtype(dtype) -> jnp.dtype:

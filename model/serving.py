@@ -15,6 +15,15 @@ take 10.6 ms at 16 rows against 35.6 ms in float32 (x @ W, (in, out)), and 133 m
 1,024 rows. A bfloat16 product of ONE row takes a slow path on XLA:CPU (86 ms for the same 24), so a
 single row is computed as two (the copy costs nothing next to the weights it reads).
 
+On a CPU without AMX those figures turn over: XLA's bfloat16 products there take the CPU's AVX-512 BF16 dot
+products (or an emulation), which retired at 1.2 G/s a core against 5.2 G/s for float32 FMAs on a Xeon
+without AMX, so a product of many rows ran at 42-46 GFLOP/s in bfloat16 against 61-71 in float32 on both
+cores. There the served model widens the operands of many-row products (`WIDE_ROWS` or more rows, and
+prefill attention's) to float32 inside the graph: the same bfloat16-rounded inputs, products exact in float32,
+float32 sums, so the numbers differ from the bfloat16 products only in the order of the sums. Few rows stay
+bfloat16 (the few-row kernel, or XLA): widening the weights costs a pass over them that many rows repay and a
+few do not (the crossover measured at about 96 rows).
+
 `--dtype float32` serves the checkpoint's own weights unchanged: the dense runner's numerics.
 """
 from __future__ import annotations
@@ -31,16 +40,22 @@ from model.layers import Linear
 from model.mla import MLAttention
 from model.transformer import DeepseekModel
 
+WIDE_ROWS = 128  # on a CPU without AMX, bfloat16 products of at least this many rows widen to float32
+
+
 class ServingLinear(nnx.Module):
     """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output.
 
-    With `few_rows` (bfloat16 weights on a CPU with our kernels), a product of a few rows (up to 32 with AMX,
-    else 4) is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where XLA's product
-    of so few rows ran well below memory speed."""
+    With `few_rows` (bfloat16 weights on a CPU with our kernels), a product of a few rows (up to 32 with AMX
+    or AVX-512, else 4) is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where
+    XLA's product of so few rows ran well below memory speed. With `wide_rows`, a product of at least that
+    many rows takes x rounded to the weights' dtype and both operands widened to float32 (a CPU whose
+    bfloat16 products are slow: the module's note)."""
 
-    def __init__(self, weight_OI: jax.Array, few_rows: bool = False):
+    def __init__(self, weight_OI: jax.Array, few_rows: bool = False, wide_rows: int = 0):
         self.weight = nnx.Param(weight_OI)
         self.few_rows = few_rows
+        self.wide_rows = wide_rows
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w_OI = self.weight[...]
@@ -48,6 +63,8 @@ class ServingLinear(nnx.Module):
         rows = math.prod(lead)
         if self.few_rows and cpu_kernels.few_rows_supported(rows, in_dim):
             return cpu_kernels.few_row_product(x.reshape(rows, in_dim), w_OI).reshape(*lead, w_OI.shape[0])
+        if self.wide_rows and rows >= self.wide_rows:
+            return jnp.einsum("...i,oi->...o", x.astype(w_OI.dtype).astype(jnp.float32), w_OI.astype(jnp.float32))
         one_row = x.ndim == 2 and x.shape[0] == 1
         x = jnp.concatenate([x, x]) if one_row else x  # see the module's note on one-row products
         y = jnp.einsum("...i,oi->...o", x.astype(w_OI.dtype), w_OI, preferred_element_type=jnp.float32)
@@ -55,7 +72,7 @@ class ServingLinear(nnx.Module):
 
 
 def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
-                  prefill_kernel: bool = True) -> DeepseekModel:
+                  prefill_kernel: bool = True, wide: bool = True) -> DeepseekModel:
     """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
     otherwise a new module tree that shares every array but the projections, which it re-lays (the
     caller drops the original to free the old projections). Products of a few rows take the CPU's few-row
@@ -68,11 +85,13 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
     platform = next(iter(jax.tree.leaves(state)[0].devices())).platform
     kernels = jnp.dtype(dtype) == jnp.bfloat16 and cpu_kernels.available(platform)[0]
     few_rows = few_row_kernel and kernels
+    widen = wide and jnp.dtype(dtype) == jnp.bfloat16 and platform == "cpu" and not cpu_kernels.has_amx()
     served = nnx.merge(graphdef, state)  # new modules over the same arrays
     for path, module in list(nnx.iter_graph(served)):
         if isinstance(module, MLAttention):  # attention's own products take the serving dtype too
             module.w_uk = nnx.Param(module.w_uk[...].astype(dtype))
             module.w_uv = nnx.Param(module.w_uv[...].astype(dtype))
+            module.wide = widen
             module.prefill_kernel = (prefill_kernel and kernels and cpu_kernels.prefill_attention_available()
                                      and jnp.dtype(module.cache_dtype) == jnp.bfloat16
                                      and cpu_kernels.prefill_attention_supports(module.kv_lora_rank + module.rope_dim,
@@ -82,5 +101,6 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
             parent = served
             for key in parents:
                 parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-            setattr(parent, name, ServingLinear(module.kernel[...].T.astype(dtype), few_rows))
+            setattr(parent, name, ServingLinear(module.kernel[...].T.astype(dtype), few_rows,
+                                                 WIDE_ROWS if widen else 0))
     return served

@@ -9,7 +9,7 @@ from model import cpu_kernels
 from model.config import preset
 from model.layers import Linear
 from model.runner import ModelRunner
-from model.serving import ServingLinear, serving_model
+from model.serving import WIDE_ROWS, ServingLinear, serving_model
 from model.weights import init_model
 from services.engine.config import EngineConfig
 
@@ -84,6 +84,38 @@ def test_prefill_attention_takes_the_cpu_kernel_where_it_runs_and_agrees_with_xl
     got, want = (np.asarray(r.prefill(tokens, reserve=1).logits, np.float32) for r in runners)
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     assert np.abs(got - want).max() > 0  # another path did compute it
+
+
+def test_many_rows_widen_to_float32_where_the_cpu_has_no_amx_and_agree_with_bfloat16_products(checkpoint):
+    """A CPU without AMX runs XLA's bfloat16 products slowly (model/serving.py): there products of WIDE_ROWS
+    rows or more, and prefill attention, take float32 inputs (bfloat16-rounded values); elsewhere none do."""
+    served = serving_model(checkpoint, "bfloat16")
+    widened = not cpu_kernels.has_amx()
+    assert served.head.lm_head.wide_rows == (WIDE_ROWS if widened else 0)
+    assert served.layers[0].attn.wide == widened
+    assert served.layers[0].attn.products_dtype() == (jnp.float32 if widened else jnp.bfloat16)
+    narrow = serving_model(checkpoint, "bfloat16", wide=False)
+    assert narrow.head.lm_head.wide_rows == 0 and not narrow.layers[0].attn.wide
+    assert not serving_model(checkpoint, "float32").layers[0].attn.wide
+
+    weight = served.head.lm_head.weight[...]
+    wide, plain = ServingLinear(weight, wide_rows=WIDE_ROWS), ServingLinear(weight)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((WIDE_ROWS, 64)), jnp.float32)
+    def products(rows):
+        return [line for line in jax.jit(wide).lower(x[:rows]).as_text().splitlines() if "dot_general" in line]
+
+    assert products(WIDE_ROWS) and not any("bf16" in line for line in products(WIDE_ROWS))  # float32 operands
+    assert all("bf16" in line for line in products(WIDE_ROWS - 1))  # fewer rows stay bfloat16
+    np.testing.assert_allclose(np.asarray(wide(x)), np.asarray(plain(x)), rtol=1e-5, atol=1e-5)
+    # exact products of the same rounded inputs: only the order of float32 sums differs
+    np.testing.assert_allclose(np.asarray(wide(x)), np.asarray(x.astype(jnp.bfloat16), np.float64)
+                               @ np.asarray(weight, np.float64).T, rtol=1e-5, atol=1e-5)
+
+    cfg = preset("tiny")
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, 300)
+    runners = (ModelRunner(serving_model(checkpoint, "bfloat16", wide=w), cfg, chunk_tokens=256) for w in (True, False))
+    got, want = (np.asarray(r.prefill(tokens, reserve=1).logits, np.float32) for r in runners)
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
 
 
 def test_bfloat16_logits_stay_within_its_tolerance_of_the_checkpoints(checkpoint):
