@@ -119,11 +119,13 @@ inline F16 widen(const uint16_t* p) {
 
 template <int M>
 void rows_block(const uint16_t* w, const uint16_t* xb, float* y, int64_t O, int64_t I, int64_t o0, int64_t o1) {
+  std::vector<F16> x(M * I / 16);  // x widened once for the block's weight rows, not once per weight row
+  for (int64_t i = 0; i < M * I; i += 16) x[i / 16] = widen(xb + i);
   for (int64_t o = o0; o < o1; ++o) {
     F16 acc[M] = {};
     for (int64_t k = 0; k < I; k += 16) {
       const F16 wv = widen(w + o * I + k);
-      for (int m = 0; m < M; ++m) acc[m] += wv * widen(xb + m * I + k);
+      for (int m = 0; m < M; ++m) acc[m] += wv * x[(m * I + k) / 16];
     }
     for (int m = 0; m < M; ++m) {
       float s = 0;

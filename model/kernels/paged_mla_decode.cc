@@ -361,8 +361,14 @@ void values_amx(const Problem& p, const uint16_t* K, int64_t rows, int64_t g, in
 void heads_step(const Problem& p, const float* q, const float* K, int64_t rows, float* s, float* top, float* total,
                 float* acc) {
   int64_t h = 0;
+#if defined(__AVX512F__)
   for (; h + 8 <= p.N; h += 8) page_step<8>(p, q, K, rows, h, s, top, total, acc);
   if (h + 4 <= p.N) page_step<4>(p, q, K, rows, h, s, top, total, acc), h += 4;
+#else
+  // 16 vector registers of 8 floats: 2 heads' accumulators for two rows (or two column vectors) fill 8 of
+  // them, where 8 heads' (32) spilled to the stack on every step (each head's sums are the same either way)
+  for (; h + 2 <= p.N; h += 2) page_step<2>(p, q, K, rows, h, s, top, total, acc);
+#endif
   if (h + 2 <= p.N) page_step<2>(p, q, K, rows, h, s, top, total, acc), h += 2;
   if (h < p.N) page_step<1>(p, q, K, rows, h, s, top, total, acc);
 }
