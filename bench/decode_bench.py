@@ -134,7 +134,7 @@ def write(result: dict) -> None:
                "few-row kernel (model/cpu_kernels.py); xla products: the same model with XLA's bfloat16 products "
                "there (one row computed as two)."
                if result.get("few_row_kernel") else " Products: XLA's in every column (the few-row kernel was "
-               "unavailable)."), "",
+               "unavailable, or does not serve on a CPU without AVX-512 or AMX)."), "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
                                    "invariant tok/s", "invariant / default", "float32 step ms",
                                    "float32 / bfloat16", "xla view step ms", "xla view / default",

@@ -164,6 +164,21 @@ def few_rows_max() -> int:
     return int(_state.get("few_rows", 0)) if available("cpu")[0] else 0
 
 
+def vector_cpu() -> bool:
+    """Whether this CPU has AVX-512 or AMX, which our kernels' fast paths are written for. Without them the
+    decode and few-row kernels are portable loops (GCC's vectors) that lost to XLA on a Zen CPU with AVX2 alone
+    (decode_bench, `mini`: a decode step at 2K of context with the decode kernel 170 ms against 102 over XLA's
+    views for one sequence, 976 against 776 for 16; few_rows_bench: the LM head at 1-4 rows 0.46-0.82x XLA's
+    speed), so XLA serves there; the kernels still build, and tests run them."""
+    flags = _cpu_flags().split()
+    return "avx512f" in flags or "amx_bf16" in flags
+
+
+def few_rows_serve() -> bool:
+    """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512 or AMX (vector_cpu)."""
+    return few_rows_max() > 0 and vector_cpu()
+
+
 def few_rows_supported(rows: int, in_dim: int) -> bool:
     return 1 <= rows <= few_rows_max() and in_dim % 32 == 0
 

@@ -21,7 +21,7 @@ without AMX, so a product of many rows ran at 42-46 GFLOP/s in bfloat16 against 
 cores. There the served model widens the operands of many-row products (`WIDE_ROWS` or more rows, and
 prefill attention's) to float32 inside the graph: the same bfloat16-rounded inputs, products exact in float32,
 float32 sums, so the numbers differ from the bfloat16 products only in the order of the sums. Few rows stay
-bfloat16 (the few-row kernel, or XLA): widening the weights costs a pass over them that many rows repay and a
+bfloat16 (the few-row kernel where the CPU has AVX-512, or XLA): widening the weights costs a pass over them that many rows repay and a
 few do not (the crossover measured at about 96 rows).
 
 `--dtype float32` serves the checkpoint's own weights unchanged: the dense runner's numerics.
@@ -46,8 +46,8 @@ WIDE_ROWS = 128  # on a CPU without AMX, bfloat16 products of at least this many
 class ServingLinear(nnx.Module):
     """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output.
 
-    With `few_rows` (bfloat16 weights on a CPU with our kernels), a product of a few rows (up to 32 with AMX
-    or AVX-512, else 4) is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where
+    With `few_rows` (bfloat16 weights on a CPU with our kernels and AVX-512 or AMX), a product of up to 32 rows
+    is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where
     XLA's product of so few rows ran well below memory speed. With `wide_rows`, a product of at least that
     many rows takes x rounded to the weights' dtype and both operands widened to float32 (a CPU whose
     bfloat16 products are slow: the module's note)."""
@@ -76,7 +76,7 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
     """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
     otherwise a new module tree that shares every array but the projections, which it re-lays (the
     caller drops the original to free the old projections). Products of a few rows take the CPU's few-row
-    kernel, and absorbed prefill attention the CPU's prefill attention kernel, where they are available,
+    kernel where it serves (`cpu_kernels.few_rows_serve`), and absorbed prefill attention the CPU's prefill attention kernel, where they are available,
     unless `few_row_kernel` / `prefill_kernel` is False (benchmarks compare both)."""
     check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
@@ -84,7 +84,7 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
     graphdef, state = nnx.split(model)
     platform = next(iter(jax.tree.leaves(state)[0].devices())).platform
     kernels = jnp.dtype(dtype) == jnp.bfloat16 and cpu_kernels.available(platform)[0]
-    few_rows = few_row_kernel and kernels
+    few_rows = few_row_kernel and kernels and cpu_kernels.few_rows_serve()
     widen = wide and jnp.dtype(dtype) == jnp.bfloat16 and platform == "cpu" and not cpu_kernels.has_amx()
     served = nnx.merge(graphdef, state)  # new modules over the same arrays
     for path, module in list(nnx.iter_graph(served)):

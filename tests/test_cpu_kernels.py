@@ -242,9 +242,10 @@ def test_few_row_product_refuses_what_it_cannot_compute():
             few_rows(x, w)
 
 
-def test_few_rows_reach_32_with_amx_or_avx512_and_4_without():
+def test_few_rows_reach_32_with_amx_or_avx512_and_4_without_where_xla_serves_them():
     flags = Path("/proc/cpuinfo").read_text()
-    assert cpu_kernels.few_rows_max() == (32 if "amx_bf16" in flags or "avx512f" in flags else 4)
+    vector = "amx_bf16" in flags or "avx512f" in flags
+    assert cpu_kernels.few_rows_max() == (32 if vector else 4) and cpu_kernels.few_rows_serve() == vector
 
 
 LOAD_ELSEWHERE = """
