@@ -21,8 +21,8 @@ without AMX, so a product of many rows ran at 42-46 GFLOP/s in bfloat16 against 
 cores. There the served model widens the operands of many-row products (`WIDE_ROWS` or more rows, and
 prefill attention's) to float32 inside the graph: the same bfloat16-rounded inputs, products exact in float32,
 float32 sums, so the numbers differ from the bfloat16 products only in the order of the sums. Few rows stay
-bfloat16 (the few-row kernel where the CPU has AVX-512, or XLA): widening the weights costs a pass over them that many rows repay and a
-few do not (the crossover measured at about 96 rows).
+bfloat16 (the few-row kernel where the CPU has AVX-512, or XLA): widening the weights costs a pass over them
+that many rows repay and a few do not (the crossover measured at about 96 rows).
 
 `--dtype float32` serves the checkpoint's own weights unchanged: the dense runner's numerics.
 """
@@ -76,8 +76,9 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
     """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
     otherwise a new module tree that shares every array but the projections, which it re-lays (the
     caller drops the original to free the old projections). Products of a few rows take the CPU's few-row
-    kernel where it serves (`cpu_kernels.few_rows_serve`), and absorbed prefill attention the CPU's prefill attention kernel, where they are available,
-    unless `few_row_kernel` / `prefill_kernel` is False (benchmarks compare both)."""
+    kernel where it serves (`cpu_kernels.few_rows_serve`), and absorbed prefill attention the CPU's prefill
+    attention kernel where it is available, unless `few_row_kernel` / `prefill_kernel` is False (benchmarks
+    compare both)."""
     check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
         return model
