@@ -1,6 +1,7 @@
 """decode_attention_bench: the decode attention kernel's paths (model/kernels/paged_mla_decode.cc) side by side,
 one layer of a preset's widths (mini's by default), in-process: float32 (each page widened, FMAs) and AMX
-(tile products), over sequences whose pages are spread through the pool, as in the engine.
+(tile products), over sequences whose pages are spread through the pool, as in the engine. On a CPU with AVX2
+alone, float32 (its AVX2 intrinsics) beside "portable" (the same source built with GCC's portable vectors).
 
     python -m bench.decode_attention_bench [--repeats 30] [--quick]
 
@@ -10,7 +11,11 @@ sequence of the batch (what a decode step runs once per layer). GB/s is the page
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import subprocess
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +32,28 @@ QUICK = ((1, 128), (4, 256))
 PAGE = 64
 
 
+PORTABLE_TARGET = "deepinfer_paged_mla_decode_portable"
+SECTIONS = {"amx": "", "avx512": ", a CPU without AMX", "avx2": ", a CPU with AVX2 alone",
+            "portable": ", a CPU without AVX2"}  # report sections by cpu_kernels.cpu_kind()
+
+
 def available_paths(cfg) -> list[str]:
-    """The kernel's paths for these widths on this machine (AMX where Linux granted it)."""
+    """The kernel's paths for these widths on this machine: on a CPU with AVX2 alone, "portable" (GCC's vectors,
+    the float32 path before its AVX2 one) beside float32; AMX where Linux granted it."""
+    portable = ["portable"] * (cpu_kernels.cpu_kind() == "avx2")
     if cfg.latent_dim % 32 or cfg.kv_lora_rank % 32:
-        return ["float32"]
-    return ["float32"] + ["amx"] * cpu_kernels.decode_amx_available()
+        return portable + ["float32"]
+    return portable + ["float32"] + ["amx"] * cpu_kernels.decode_amx_available()
+
+
+def register_portable() -> None:
+    """The same kernel source built with -DDEEPINFER_DECODE_PORTABLE (its float32 path in GCC's portable vectors),
+    registered beside ours for one process."""
+    library = Path(tempfile.mkdtemp(prefix="decode-portable-")) / "portable.so"
+    subprocess.run(["g++", *cpu_kernels.FLAGS, "-DDEEPINFER_DECODE_PORTABLE", f"-I{jax.ffi.include_dir()}",
+                    str(cpu_kernels.SOURCES[0]), "-o", str(library)], check=True, capture_output=True, text=True)
+    kernel = ctypes.cdll.LoadLibrary(str(library)).PagedMlaDecode
+    jax.ffi.register_ffi_target(PORTABLE_TARGET, jax.ffi.pycapsule(kernel), platform="cpu")
 
 
 def measure_case(cfg, B: int, context: int, paths: list[str], repeats: int) -> dict:
@@ -48,6 +70,10 @@ def measure_case(cfg, B: int, context: int, paths: list[str], repeats: int) -> d
 
     def call(path):
         fn = jax.jit(lambda *a: cpu_kernels.paged_mla_decode(*a, scale, cfg.kv_lora_rank, path))
+        if path == "portable":
+            shape = jax.ShapeDtypeStruct((B, cfg.num_heads, cfg.kv_lora_rank), jnp.float32)
+            fn = jax.jit(lambda *a: jax.ffi.ffi_call(PORTABLE_TARGET, shape)(
+                *a, scale=np.float32(scale), path=np.int32(cpu_kernels.DECODE_PATHS["float32"])))
         return lambda: jax.block_until_ready(fn(q, pool, tables, lengths, fresh))
 
     seconds = alternate({path: call(path) for path in paths}, repeats)
@@ -61,7 +87,10 @@ def measure_case(cfg, B: int, context: int, paths: list[str], repeats: int) -> d
 def measure(args) -> dict:
     cfg = preset(args.preset)
     paths = available_paths(cfg)
-    return {"preset": args.preset, "heads": cfg.num_heads, "latent_dim": cfg.latent_dim, "value_dim": cfg.kv_lora_rank,
+    if "portable" in paths:
+        register_portable()
+    return {"preset": args.preset, "cpu_kind": cpu_kernels.cpu_kind(), "heads": cfg.num_heads,
+            "latent_dim": cfg.latent_dim, "value_dim": cfg.kv_lora_rank,
             "paths": paths, "machine": report.machine(), "repeats": args.repeats,
             "load_average_start": os.getloadavg()[0],
             "cases": [measure_case(cfg, B, S, paths, args.repeats) for B, S in (QUICK if args.quick else CASES)],
@@ -72,20 +101,23 @@ def write(result: dict) -> None:
     paths = result["paths"]
     best = paths[-1]
     rows = [[c["sequences"], c["context"], *(f"{c['seconds'][p] * 1e3:.3f}" for p in paths),
-             *(f"{c['seconds']['float32'] / c['seconds'][p]:.2f}x" for p in paths[1:]), f"{c['gb_per_s'][best]:.1f}"]
+             *(f"{c['seconds'][paths[0]] / c['seconds'][p]:.2f}x" for p in paths[1:]), f"{c['gb_per_s'][best]:.1f}"]
             for c in result["cases"]]
+    kind = result.get("cpu_kind", "amx")
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"One layer of `{result['preset']}`'s decode attention ({result['heads']} heads over "
             f"{result['latent_dim']}-wide latents, values {result['value_dim']} wide) for every sequence of the batch, "
             "each on its own pages of 64 tokens, spread through the pool; "
             f"median of {result['repeats']} calls, the paths alternating. float32: each page widened, FMAs (the "
-            "kernel before the AMX path, and its path on CPUs without AMX); amx: tile products (the engine's path "
-            "on this machine).", "",
+            "kernel before the AMX path, and its path on CPUs without AMX; on a CPU with AVX2 alone, 4 heads at a "
+            "time in AVX2 intrinsics); portable: the same float32 path in GCC's portable vectors of 16 floats "
+            "(the kernel before its AVX2 path); amx: tile products (the engine's path where the CPU has AMX). "
+            f"Speed-up: over {paths[0]}.", "",
             report.markdown_table(["sequences", "context", *(f"{p} ms" for p in paths),
                                    *(f"{p} speed-up" for p in paths[1:]), f"{best} GB/s of pages"], rows)]
     body.append(f"\n![decode_attention_bench](bench/results/{plot(result)})")
-    report.update_section("Decode attention paths (decode_attention_bench)", "\n".join(body))
+    report.update_section(f"Decode attention paths (decode_attention_bench{SECTIONS[kind]})", "\n".join(body))
 
 
 def plot(result: dict) -> str:
@@ -104,7 +136,8 @@ def plot(result: dict) -> str:
     ax.set_title(f"decode attention paths, {result['preset']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    return report.save_figure(fig, "decode_attention_bench.png")
+    kind = result.get("cpu_kind", "amx")
+    return report.save_figure(fig, f"decode_attention_bench{'' if kind == 'amx' else '_' + kind}.png")
 
 
 def main(argv: list[str] | None = None) -> int:

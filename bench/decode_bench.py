@@ -5,8 +5,8 @@ bfloat16 serving (model/serving.py) against float32 serving of the same weights.
 
     python -m bench.decode_bench [--preset mini] [--batches 1,2,4,16,64] [--context 512] [--repeats 5]
 
-Every row is the median over --repeats runs of the same shape, measured side by side in one process. A CPU
-without AMX gets its own report section (its kernels take other paths).
+Every row is the median over --repeats runs of the same shape, measured side by side in one process. Each kind
+of CPU (AMX, AVX-512 without AMX, AVX2 alone) gets its own report section (its kernels take other paths).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import report
+from bench import decode_attention_bench, report
 from bench.moe_bench import median_seconds
 from model import cpu_kernels
 from model.config import preset
@@ -30,6 +30,7 @@ from model.weights import init_model
 COMMAND = "python -m bench.decode_bench"
 _argmax = jax.jit(lambda logits_BV: jnp.argmax(logits_BV, axis=-1))
 DEFAULT_CONTEXT = 512
+SECTIONS = decode_attention_bench.SECTIONS  # a report section per kind of CPU
 MODES = ("default", "invariant", "float32", "xla_view", "xla_products", "float32_attention")
 
 
@@ -47,8 +48,10 @@ def measure(args) -> dict:
     xla_view = PagedRunner(model, cfg, pool, decode_kernel=False)  # decode attention over gathered views
     # products of 1-4 rows by XLA, not the few-row kernel
     xla_products = PagedRunner(serving_model(checkpoint, "bfloat16", few_row_kernel=False), cfg, pool)
-    # decode attention on the kernel's float32 path (its path before the AMX one, and on CPUs without AMX)
-    float32_attention = PagedRunner(model, cfg, pool, decode_kernel_path="float32")
+    # decode attention on the kernel's float32 path (its path before the AMX one, and on CPUs without AMX), where
+    # the kernel builds, even on a CPU where XLA serves
+    kernel = cpu_kernels.available("cpu")[0] and cpu_kernels.supports(cfg.latent_dim, cfg.kv_lora_rank)
+    float32_attention = PagedRunner(model, cfg, pool, decode_kernel=kernel or None, decode_kernel_path="float32")
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens
@@ -57,6 +60,7 @@ def measure(args) -> dict:
     out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
            "decode_kernel": default.decode_kernel, "few_row_kernel": model.head.lm_head.few_rows,
            "few_rows_max": cpu_kernels.few_rows_max(), "amx": cpu_kernels.decode_amx_available(),
+           "cpu_kind": cpu_kernels.cpu_kind(),
            "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
@@ -161,8 +165,13 @@ def write(result: dict) -> None:
                                         "argmax / ours"], host)]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
     other = "" if result["context"] == DEFAULT_CONTEXT else f", context {result['context']}"
-    other += "" if result.get("amx", True) else ", a CPU without AMX"
+    other += SECTIONS[kind(result)]
     report.update_section(f"Decode batching and batch invariance (decode_bench{other})", "\n".join(body))
+
+
+def kind(result: dict) -> str:
+    """The kind of CPU a result was measured on (cpu_kernels.cpu_kind; older results say only whether AMX)."""
+    return result.get("cpu_kind") or ("amx" if result.get("amx", True) else "avx512")
 
 
 def plot(result: dict) -> str:
@@ -180,7 +189,7 @@ def plot(result: dict) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     other = "" if result["context"] == DEFAULT_CONTEXT else f"_context{result['context']}"
-    other += "" if result.get("amx", True) else "_no_amx"
+    other += {"amx": "", "avx512": "_no_amx"}.get(kind(result), f"_{kind(result)}")
     return report.save_figure(fig, f"decode_bench{other}.png")
 
 

@@ -1,7 +1,7 @@
 """few_rows_bench: the few-row product kernel (model/kernels/few_row_product.cc) against XLA's bfloat16
 product, on every projection shape of a preset's served model, at 1, 2, 4, 16 and 32 rows (decode steps of
-that many sequences; the kernel takes up to 32 rows with AMX or AVX-512, else 4), side by side in one process.
-A CPU without AMX gets its own report section (more than one row takes float32 FMAs there).
+that many sequences; the kernel takes up to 32 rows with AMX, AVX-512 or AVX2, else 4), side by side in one
+process. Each kind of CPU (AMX, AVX-512 without AMX, AVX2 alone) gets its own report section (its paths differ).
 
     python -m bench.few_rows_bench [--preset mini] [--repeats 21]
 
@@ -22,12 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench import report
+from bench import decode_attention_bench, report
 from model import cpu_kernels
 from model.config import preset
 from model.serving import ServingLinear, serving_model
 from model.weights import init_model
 
+SECTIONS = decode_attention_bench.SECTIONS  # a report section per kind of CPU
+PATHS = {"amx": "one row: AVX-512 BF16 dot products; more: AMX tiles",
+         "avx512": "one row: AVX-512 BF16 dot products; more: float32 FMAs (this CPU has no AMX)",
+         "avx2": "float32 FMAs on weights widened in AVX2 registers (this CPU has no AVX-512)",
+         "portable": "GCC's portable vectors"}
 COMMAND = "python -m bench.few_rows_bench"
 ROWS = (1, 2, 4, 16, 32)
 
@@ -54,7 +59,7 @@ def measure(args) -> dict:
     xla = jax.jit(lambda x, w: jnp.einsum("bi,oi->bo", (jnp.concatenate([x, x]) if x.shape[0] == 1 else x)
                                           .astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)[:x.shape[0]])
     out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
-           "amx": cpu_kernels.decode_amx_available(), "repeats": args.repeats,
+           "amx": cpu_kernels.decode_amx_available(), "cpu_kind": cpu_kernels.cpu_kind(), "repeats": args.repeats,
            "rows": [n for n in ROWS if n <= cpu_kernels.few_rows_max()], "products": []}
     rng = np.random.default_rng(0)
     for (O, I), names in shapes(model).items():
@@ -85,8 +90,7 @@ def write(result: dict) -> None:
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Every bfloat16 projection shape of `{result['preset']}` served (out, in), at "
-            f"{', '.join(str(n) for n in result['rows'])} rows: our few-row kernel (one row: AVX-512 BF16 dot "
-            f"products; more: {'AMX tiles' if result.get('amx', True) else 'float32 FMAs (this CPU has no AMX)'}) "
+            f"{', '.join(str(n) for n in result['rows'])} rows: our few-row kernel ({PATHS[kind(result)]}) "
             "against XLA's product as `ServingLinear` ran it before (one row as two). "
             "Median of "
             f"{result['repeats']} calls each, alternating. GB/s is the weight bytes over the time; the small "
@@ -96,8 +100,12 @@ def write(result: dict) -> None:
             report.markdown_table(["shape (out x in)", "projections", "rows", "kernel ms", "kernel GB/s", "XLA ms",
                                    "XLA GB/s", "XLA / kernel"], rows)]
     body.append(f"\n![few_rows_bench](bench/results/{plot(result)})")
-    where = "" if result.get("amx", True) else ", a CPU without AMX"
-    report.update_section(f"Few-row products (few_rows_bench{where})", "\n".join(body))
+    report.update_section(f"Few-row products (few_rows_bench{SECTIONS[kind(result)]})", "\n".join(body))
+
+
+def kind(result: dict) -> str:
+    """The kind of CPU a result was measured on (cpu_kernels.cpu_kind; older results say only whether AMX)."""
+    return result.get("cpu_kind") or ("amx" if result.get("amx", True) else "avx512")
 
 
 def plot(result: dict) -> str:
@@ -115,7 +123,8 @@ def plot(result: dict) -> str:
     ax.set_title(f"few_rows_bench, {result['preset']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    return report.save_figure(fig, "few_rows_bench.png" if result.get("amx", True) else "few_rows_bench_no_amx.png")
+    suffix = {"amx": "", "avx512": "_no_amx"}.get(kind(result), f"_{kind(result)}")
+    return report.save_figure(fig, f"few_rows_bench{suffix}.png")
 
 
 def main(argv: list[str] | None = None) -> int:

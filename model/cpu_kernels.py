@@ -160,23 +160,40 @@ def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array
 
 
 def few_rows_max() -> int:
-    """The most rows few_row_product takes on this CPU: 32 with AMX, else 4 (0 without our kernels)."""
+    """The most rows few_row_product takes on this CPU: 32 with AMX, AVX-512 or AVX2 and FMA, else 4 (0 without
+    our kernels)."""
     return int(_state.get("few_rows", 0)) if available("cpu")[0] else 0
 
 
-def vector_cpu() -> bool:
-    """Whether this CPU has AVX-512 or AMX, which our kernels' fast paths are written for. Without them the
-    decode and few-row kernels are portable loops (GCC's vectors) that lost to XLA on a Zen CPU with AVX2 alone
-    (decode_bench, `mini`: a decode step at 2K of context with the decode kernel 170 ms against 102 over XLA's
-    views for one sequence, 976 against 776 for 16; few_rows_bench: the LM head at 1-4 rows 0.46-0.82x XLA's
-    speed), so XLA serves there; the kernels still build, and tests run them."""
+
+
+def cpu_kind() -> str:
+    """Which of the kernels' vector paths this CPU takes: "amx", "avx512" (AVX-512 without AMX), "avx2" (AVX2 and
+    FMA without AVX-512) or "portable" (GCC's portable vectors). Benchmarks report each kind apart."""
     flags = _cpu_flags().split()
-    return "avx512f" in flags or "amx_bf16" in flags
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags and "fma" in flags else "portable"
+
+
+def decode_serves() -> bool:
+    """Whether the engine's decode attention takes our kernel (where it builds): on a CPU with AVX-512 or AMX,
+    or with AVX2 and FMA, for which the kernel has its own 4-head path (scores of two rows and
+    values of 16 columns in 8-float registers). On a Zen CPU with AVX2 alone that path ran one layer of 16
+    sequences x 4,096 rows in 21.5 ms where GCC's portable vectors took 168 ms (decode_attention_bench), and a
+    decode step of `mini` at 2K of context in 262 ms for 16 sequences against 618 over XLA's views
+    (decode_bench). Other CPUs keep XLA."""
+    return cpu_kind() != "portable"
 
 
 def few_rows_serve() -> bool:
-    """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512 or AMX (vector_cpu)."""
-    return few_rows_max() > 0 and vector_cpu()
+    """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512, AMX, or AVX2 and FMA.
+    Elsewhere it is a portable loop (GCC's vectors) of up to 4 rows, which lost to XLA on a Zen CPU when that
+    CPU's build took it (few_rows_bench: the LM head at 1-4 rows 0.46-0.82x XLA's speed); on that CPU the AVX2
+    path ran the LM head at 1 row 3.75x XLA's speed, at 16 rows 1.81x (few_rows_bench)."""
+    return few_rows_max() > 0 and cpu_kind() != "portable"
 
 
 def few_rows_supported(rows: int, in_dim: int) -> bool:

@@ -417,12 +417,12 @@ class PagedRunner:
         # in bfloat16, float32 for one served in float32 (model/serving.py): the wider of the two.
         self.decode_attention_dtype = jnp.promote_types(model.layers[0].attn.w_uk.dtype, cfg.cache_dtype).name
         # Decode attention from the pages in place (cpu_kernels) where the pool is on the CPU and the kernel
-        # builds; None decides so (on a CPU with AVX-512 or AMX: cpu_kernels.vector_cpu), False keeps XLA's
-        # gathered view (as on a GPU or TPU).
+        # builds; None decides so (on a CPU with AVX-512, AMX, or AVX2 and FMA: cpu_kernels.decode_serves), False
+        # keeps XLA's gathered view (as on a GPU or TPU).
         platform_name = next(iter(pool.layers[0].devices())).platform
         ok, why = cpu_kernels.available(platform_name)
         ok = ok and cpu_kernels.supports(cfg.latent_dim, cfg.kv_lora_rank)
-        self.decode_kernel = ok and cpu_kernels.vector_cpu() if decode_kernel is None else decode_kernel
+        self.decode_kernel = ok and cpu_kernels.decode_serves() if decode_kernel is None else decode_kernel
         if self.decode_kernel and not ok:
             raise ValueError(f"the CPU decode kernel was asked for but is unavailable: {why or 'unsupported dims'}")
         # The kernel's path: its best here ("auto": AMX rounds queries and weights to bfloat16, as XLA's view path

@@ -21,7 +21,7 @@ without AMX, so a product of many rows ran at 42-46 GFLOP/s in bfloat16 against 
 cores. There the served model widens the operands of many-row products (`WIDE_ROWS` or more rows, and
 prefill attention's) to float32 inside the graph: the same bfloat16-rounded inputs, products exact in float32,
 float32 sums, so the numbers differ from the bfloat16 products only in the order of the sums. Few rows stay
-bfloat16 (the few-row kernel where the CPU has AVX-512, or XLA): widening the weights costs a pass over them
+bfloat16 (the few-row kernel where the CPU has AVX-512 or AVX2, or XLA): widening the weights costs a pass over them
 that many rows repay and a few do not (the crossover measured at about 96 rows).
 
 `--dtype float32` serves the checkpoint's own weights unchanged: the dense runner's numerics.
@@ -46,9 +46,9 @@ WIDE_ROWS = 128  # on a CPU without AMX, bfloat16 products of at least this many
 class ServingLinear(nnx.Module):
     """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output.
 
-    With `few_rows` (bfloat16 weights on a CPU with our kernels and AVX-512 or AMX), a product of up to 32 rows
-    is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where
-    XLA's product of so few rows ran well below memory speed. With `wide_rows`, a product of at least that
+    With `few_rows` (bfloat16 weights on a CPU with our kernels and AVX-512, AMX, or AVX2 and FMA), a product of
+    up to 32 rows is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where XLA's
+    product of so few rows ran well below memory speed. With `wide_rows`, a product of at least that
     many rows takes x rounded to the weights' dtype and both operands widened to float32 (a CPU whose
     bfloat16 products are slow: the module's note)."""
 

@@ -193,9 +193,10 @@ def engine_stats(container: str) -> dict:
     return json.loads(run("docker", "exec", container, "python", "-c", script, quiet=True).stdout)
 
 
-def vector_cpu(container: str) -> bool:
-    """Whether the engine's CPU serves decode attention by our kernel (AVX-512 or AMX), asked in its container."""
-    script = "from model import cpu_kernels; print(cpu_kernels.vector_cpu())"
+def decode_serves(container: str) -> bool:
+    """Whether the engine's CPU serves decode attention by our kernel (AVX-512, AMX, or AVX2 and FMA), asked in
+    its container."""
+    script = "from model import cpu_kernels; print(cpu_kernels.decode_serves())"
     return run("docker", "exec", container, "python", "-c", script, quiet=True).stdout.strip() == "True"
 
 
@@ -275,7 +276,7 @@ def check_each_replica_serves(project: Project, answer: str) -> dict[str, str]:
         say(f"pinned to {url} ({container[:12]}): {hits} hit tokens, {served:.0f} request(s) counted there, "
             f"decode attention {attention}")
         assert served == 1 and hits > 0 and text == answer, (url, served, hits, text)
-        assert attention == ("cpu-kernel" if vector_cpu(container) else "xla-view"), "the image's g++ built it"
+        assert attention == ("cpu-kernel" if decode_serves(container) else "xla-view"), "the image's g++ built it"
     return replicas
 
 

@@ -62,8 +62,9 @@ def test_decode_bench_measures_both_modes():
                                                        and d["xla_products"] > 0 and d["float32_attention"] > 0
                                                        for d in result["decode"].values())
     assert all(d["dispatch_s"] > 0 and d["greedy_s"] > 0 and d["argmax_s"] > 0 for d in result["decode"].values())
-    # default decode attention is the CPU kernel where the CPU has AVX-512 or AMX; xla_view its comparison
-    assert result["decode_kernel"] == cpu_kernels.vector_cpu()
+    # default decode attention is the CPU kernel where the CPU has AVX-512, AMX, or AVX2 and FMA; xla_view its
+    # comparison
+    assert result["decode_kernel"] == cpu_kernels.decode_serves()
     # xla_products: XLA's products of a few rows, beside the few-row kernel where it serves
     assert result["few_row_kernel"] == cpu_kernels.few_rows_serve()
     assert result["few_rows_max"] == cpu_kernels.few_rows_max()
@@ -73,7 +74,9 @@ def test_decode_bench_measures_both_modes():
 def test_decode_attention_bench_times_every_path_this_machine_has():
     assert decode_attention_bench.main(["--quick", "--repeats", "1", "--no-report"]) == 0
     result = json.loads((report.OUT / "decode_attention_bench.json").read_text())
-    assert result["paths"] == ["float32"] + ["amx"] * cpu_kernels.decode_amx_available()
+    # on a CPU with AVX2 alone, the portable build beside its AVX2 path
+    assert result["paths"] == (["portable"] * (cpu_kernels.cpu_kind() == "avx2") + ["float32"]
+                               + ["amx"] * cpu_kernels.decode_amx_available())
     assert [(c["sequences"], c["context"]) for c in result["cases"]] == list(decode_attention_bench.QUICK)
     assert all(c["seconds"][p] > 0 for c in result["cases"] for p in result["paths"])
 

@@ -183,7 +183,7 @@ def test_few_row_product_matches_a_float64_reference(M, O, I):
     """x rounded to bfloat16 as `x.astype(bfloat16)` does, times bfloat16 weights, summed in float32; O not a
     multiple of the kernel's blocks (4 rows for one x row, 32 with AMX), nor of its threads' shares."""
     if M > cpu_kernels.few_rows_max():
-        pytest.skip(f"{M} rows take AMX or AVX-512, which this CPU lacks")
+        pytest.skip(f"{M} rows take AMX, AVX-512 or AVX2, which this CPU lacks")
     rng = np.random.default_rng(M * O)
     x = rng.standard_normal((M, I)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((O, I)), jnp.bfloat16)
@@ -215,7 +215,7 @@ def test_a_batch_of_few_row_products_is_each_product_alone(N, M, O, I):
     own product's alone (O not a multiple of the blocks: 100 with AMX's 32-row blocks; the last two cases' x is
     large enough to be prepared on every thread, the second with a last group of one row)."""
     if M > cpu_kernels.few_rows_max():
-        pytest.skip(f"{M} rows take AMX or AVX-512, which this CPU lacks")
+        pytest.skip(f"{M} rows take AMX, AVX-512 or AVX2, which this CPU lacks")
     rng = np.random.default_rng(N * M * O)
     x = rng.standard_normal((N, M, I)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((N, O, I)), jnp.bfloat16)
@@ -242,9 +242,9 @@ def test_few_row_product_refuses_what_it_cannot_compute():
             few_rows(x, w)
 
 
-def test_few_rows_reach_32_with_amx_or_avx512_and_4_without_where_xla_serves_them():
-    flags = Path("/proc/cpuinfo").read_text()
-    vector = "amx_bf16" in flags or "avx512f" in flags
+def test_few_rows_reach_32_with_amx_avx512_or_avx2_and_4_without_where_xla_serves_them():
+    flags = Path("/proc/cpuinfo").read_text().split()
+    vector = "amx_bf16" in flags or "avx512f" in flags or ("avx2" in flags and "fma" in flags)
     assert cpu_kernels.few_rows_max() == (32 if vector else 4) and cpu_kernels.few_rows_serve() == vector
 
 
@@ -273,29 +273,73 @@ print(most)
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 
-@pytest.mark.parametrize("flags, most", [(NO_AMX, 32), (NO_AMX + ["-mno-avx512bf16"], 32), (["-mno-avx512f"], 4)])
-def test_few_row_product_on_cpus_without_amx_or_avx512_bf16(tmp_path, flags, most):
+@pytest.mark.parametrize("flags, most, needs", [
+    (NO_AMX, 32, "avx512f"), (NO_AMX + ["-mno-avx512bf16"], 32, "avx512f"), (["-mno-avx512f"], 32, "avx2"),
+    (["-mno-avx512f", "-mno-avx2", "-mno-fma"], 4, "")])
+def test_few_row_product_on_cpus_without_amx_or_avx512_bf16(tmp_path, flags, most, needs):
     """The kernel's other paths, built here as they would be on another CPU: AVX-512 without AMX (up to 32
-    rows, float32 FMAs; one row by AVX-512 BF16 dot products, or without them by the portable loop), and the
-    portable loop (up to 4 rows). Each checked at its most rows, a row's bits whatever rows share it."""
-    if "avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this CPU has no AVX-512 to build the AVX-512 paths for")
+    rows, float32 FMAs; one row by AVX-512 BF16 dot products, or without them by the portable loop), AVX2 and
+    FMA alone (1-32 rows, float32 FMAs in 8-float registers), and the portable loop (up to 4 rows). Each
+    checked, where this CPU can run it, at its most rows, a row's bits whatever rows share it."""
     library = tmp_path / "few_rows.so"
     built = subprocess.run(["g++", *cpu_kernels.FLAGS, *flags, f"-I{jax.ffi.include_dir()}",
                             str(cpu_kernels.SOURCES[1]), "-o", str(library)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
+    if needs and needs not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip(f"this CPU has no {needs} to run that build")
     done = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(library)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(most)
 
 
-@pytest.mark.parametrize("flags", [["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"], ["-mno-avx512f"]])
-def test_the_decode_kernel_builds_for_cpus_without_amx_or_avx512(tmp_path, flags):
-    """Its float32 path (tested above by name) is all such a build has."""
+DECODE_ELSEWHERE = """
+import ctypes, sys
+import jax, jax.numpy as jnp, numpy as np
+library = ctypes.cdll.LoadLibrary(sys.argv[1])
+jax.ffi.register_ffi_target("decode_elsewhere", jax.ffi.pycapsule(library.PagedMlaDecode), platform="cpu")
+rng = np.random.default_rng(0)
+B, N, A, C, T, P, Q = 4, 13, 576, 512, 64, 50, 40  # 13 heads: groups of 4 (AVX2) or 8 and 4, and 1
+pool = jnp.asarray(rng.standard_normal((P, T, A)), jnp.bfloat16)
+bits = jax.lax.bitcast_convert_type(pool, jnp.uint16)
+q = np.asarray(jnp.asarray(rng.standard_normal((B, N, A)), jnp.bfloat16), np.float32)
+fresh = rng.standard_normal((B, A)).astype(np.float32)
+tables = rng.integers(0, P, (B, Q)).astype(np.int32)
+lengths = np.array([0, 1, 2049, Q * T], np.int32)  # its own latent only; one row; two pieces; every row
+def decode(rows):
+    shape = jax.ShapeDtypeStruct((len(rows), N, C), jnp.float32)
+    call = jax.ffi.ffi_call("decode_elsewhere", shape)
+    return np.asarray(call(q[rows], bits, tables[rows], lengths[rows], fresh[rows], scale=np.float32(0.07),
+                           path=np.int32(1)))
+got = decode([0, 1, 2, 3])
+pool64 = np.asarray(pool.astype(jnp.float32), np.float64)
+for b in range(B):
+    kv = np.concatenate([pool64[tables[b]].reshape(-1, A)[:lengths[b]], fresh[b][None]])
+    s = q[b].astype(np.float64) @ kv.T * 0.07
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = (w / w.sum(-1, keepdims=True)) @ kv[:, :C]
+    np.testing.assert_allclose(got[b], want, atol=2e-6 * np.abs(want).max(), rtol=0)
+assert np.array_equal(decode([3, 1]), got[[3, 1]])  # a sequence's bits whatever shares its batch
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("flags, needs", [(NO_AMX, "avx512f"), (["-mno-avx512f"], "avx2"),
+                                          (["-mno-avx512f", "-mno-avx2", "-mno-fma"], "")])
+def test_the_decode_kernel_on_cpus_without_amx_or_avx512(tmp_path, flags, needs):
+    """Its float32 path (tested above by name) as other CPUs build it: with AVX-512 but no AMX, with AVX2 and
+    FMA alone (4 heads at a time in 8-float registers), and GCC's portable vectors; each run here, where this
+    CPU can, against a float64 reference, a sequence's bits whatever shares its batch."""
+    library = tmp_path / "decode.so"
     built = subprocess.run(["g++", *cpu_kernels.FLAGS, *flags, f"-I{jax.ffi.include_dir()}",
-                            str(cpu_kernels.SOURCES[0]), "-o", str(tmp_path / "decode.so")], capture_output=True, text=True)
+                            str(cpu_kernels.SOURCES[0]), "-o", str(library)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
+    if needs and needs not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip(f"this CPU has no {needs} to run that build")
+    done = subprocess.run([sys.executable, "-c", DECODE_ELSEWHERE, str(library)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
 
 
 def attention_reference(q, kv, pos, scale, view, C):

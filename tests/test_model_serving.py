@@ -55,14 +55,14 @@ def test_without_the_kernel_one_row_is_computed_as_two_and_agrees(checkpoint):
 
 
 def test_a_few_rows_take_the_cpu_kernel_and_agree_with_xlas_product(checkpoint):
-    """On a CPU with AVX-512 or AMX, a few rows (up to 32) are our few-row kernel (the weights streamed once),
+    """On a CPU with AVX-512, AMX, or AVX2 and FMA, a few rows (up to 32) are our few-row kernel (the weights streamed once),
     more rows XLA's product; on other CPUs XLA's product serves every row count."""
     linear = serving_model(checkpoint, "bfloat16").head.lm_head
     if not cpu_kernels.few_rows_serve():
         assert not linear.few_rows and cpu_kernels.few_rows_max() == 4  # built, tested in test_cpu_kernels
         x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 64)), jnp.float32)
         assert "deepinfer_few_row_product" not in jax.jit(linear).lower(x).as_text()
-        pytest.skip("the few-row kernel serves on a CPU with AVX-512 or AMX")
+        pytest.skip("the few-row kernel serves on a CPU with AVX-512, AMX, or AVX2 and FMA")
     most = cpu_kernels.few_rows_max()
     assert linear.few_rows and most >= 4
     x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 64)), jnp.float32)

@@ -30,7 +30,11 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(DEEPINFER_FEW_ROWS_PORTABLE)
+#define DEEPINFER_FEW_ROWS_AVX2 1  // float32 FMAs in 8-float registers (a CPU with AVX2 and FMA, no AVX-512)
+#endif
+#if defined(__AVX512F__) || defined(DEEPINFER_FEW_ROWS_AVX2)
+#define DEEPINFER_FEW_ROWS_FMA 1  // 2-32 rows (AVX2: 1-32) as float32 FMAs on weights widened in registers
 #include <immintrin.h>
 #endif
 
@@ -41,9 +45,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;      // without AMX or AVX-512
-constexpr int64_t kMaxFmaRows = 32;  // without AMX, with AVX-512: groups of kGroupRows x rows
+constexpr int64_t kMaxRows = 4;      // without AMX, AVX-512 or AVX2
+constexpr int64_t kMaxFmaRows = 32;  // without AMX, with AVX-512 or AVX2: groups of kGroupRows x rows
+#if defined(__AVX512F__)
 constexpr int64_t kGroupRows = 4;    // x rows whose float32 FMAs share a block of widened weight rows
+constexpr int64_t kFmaFromRows = 2;  // one row is AVX-512 BF16 dot products (or the portable loop)
+#else
+constexpr int64_t kGroupRows = 2;    // AVX2's 16 registers: 4 weight rows x 2 x rows of sums
+constexpr int64_t kFmaFromRows = 1;
+#endif
 constexpr int64_t kChunkBytes = 1 << 17;  // weights a chunk of rows holds while every group of x rows takes it
 constexpr int64_t kMaxAmxRows = 32;  // two groups of 16 x rows per pass over a block of weight rows
 constexpr int64_t kStep = 32;       // bfloat16 weights per vector step (one 64-byte line)
@@ -177,6 +187,51 @@ inline void fma_rows(const uint16_t* block, const float* xf, float* y, int64_t O
     for (int g = 0; g < G; ++g) y[g * O + r] = _mm512_reduce_add_ps(acc[r][g]);
 }
 
+#elif defined(DEEPINFER_FEW_ROWS_AVX2)
+
+// widen_rows in AVX2's 16-word steps: per 16 columns, each 128-bit lane's low four words, then its high four.
+void widen_rows(const uint16_t* xb, float* xf, int64_t n) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + k));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xf + k), _mm256_unpacklo_epi16(zero, v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xf + k + 8), _mm256_unpackhi_epi16(zero, v));
+  }
+}
+
+inline float reduce_add(__m256 v) {  // the 8 lanes' sum, in a fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// fma_rows for AVX2: each weight row's 16 columns widened by unpacking (two registers), then FMAs for every x row
+// of the group; R x G sums of 8 lanes, reduced at the end.
+template <int R, int G>
+inline void fma_rows(const uint16_t* block, const float* xf, float* y, int64_t O, int64_t I, bool prefetch) {
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < I; k += 16) {
+    if (prefetch && k % kStep == 0)  // the same line of the next block's rows (past the end is harmless)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(block + (R + r) * I + k), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + r * I + k));
+      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+      for (int g = 0; g < G; ++g)
+        acc[r][g] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xf + g * I + k + 8),
+                                    _mm256_fmadd_ps(lo, _mm256_loadu_ps(xf + g * I + k), acc[r][g]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) y[g * O + r] = reduce_add(acc[r][g]);
+}
+
+#endif
+
+#ifdef DEEPINFER_FEW_ROWS_FMA
 template <int G>
 void fma_block(const uint16_t* w, const float* xf, float* y, int64_t O, int64_t I, int64_t o0, int64_t o1,
                bool prefetch) {
@@ -184,7 +239,6 @@ void fma_block(const uint16_t* w, const float* xf, float* y, int64_t O, int64_t 
   for (; o + kBlockRows <= o1; o += kBlockRows) fma_rows<kBlockRows, G>(w + o * I, xf, y + o, O, I, prefetch);
   for (; o < o1; ++o) fma_rows<1, G>(w + o * I, xf, y + o, O, I, false);  // the same sums, a row at a time
 }
-
 #endif
 
 #ifdef DEEPINFER_AMX
@@ -253,7 +307,7 @@ int64_t max_rows() {
 #ifdef DEEPINFER_AMX
   if (deepinfer::amx_granted()) return kMaxAmxRows;
 #endif
-#if defined(__AVX512F__)
+#ifdef DEEPINFER_FEW_ROWS_FMA
   return kMaxFmaRows;
 #else
   return kMaxRows;
@@ -304,9 +358,9 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   };
   int64_t unit = kBlockRows;  // an item's rows are a multiple of this
   bool tiles = false;
-#if defined(__AVX512F__)
+#ifdef DEEPINFER_FEW_ROWS_FMA
   std::unique_ptr<float[]> xf;
-  if (M > 1 && !deepinfer::amx_granted()) {  // float32 FMAs (AMX tiles below where the CPU grants them)
+  if (M >= kFmaFromRows && !deepinfer::amx_granted()) {  // float32 FMAs (AMX tiles below where granted)
     xf.reset(new float[N * M * I]);
     each((all_rows + kConvertRows - 1) / kConvertRows, [&](int64_t i) {
       const int64_t first = i * kConvertRows, rows = std::min(kConvertRows, all_rows - first);
@@ -325,9 +379,13 @@ ffi::Error FewRowProductImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
           const bool first = g == 0;  // the first group streams the chunk from memory: it prefetches
           switch (std::min(kGroupRows, M - g)) {
             case 1: fma_block<1>(wn, xg, yg, O, I, c0, c1, first); break;
+#if defined(__AVX512F__)
             case 2: fma_block<2>(wn, xg, yg, O, I, c0, c1, first); break;
             case 3: fma_block<3>(wn, xg, yg, O, I, c0, c1, first); break;
             default: fma_block<4>(wn, xg, yg, O, I, c0, c1, first); break;
+#else
+            default: fma_block<2>(wn, xg, yg, O, I, c0, c1, first); break;
+#endif
           }
         }
       }

@@ -13,7 +13,10 @@
 //   gathered views does with a bfloat16 attention dtype (and FlashMLA): the runner names the float32 path
 //   where its attention dtype is float32 (float32 serving).
 // - float32 (anything else: a float32 pool, other widths, a CPU without AMX): each page widened to float32
-//   in a small buffer, FMAs.
+//   in a small buffer, FMAs: 8 heads at a time in AVX-512 registers; on a CPU with AVX2 and FMA alone, 4
+//   heads at a time in intrinsics sized for its 16 registers of 8 floats (GCC's portable vectors of 16
+//   floats ran ~7x slower there, BENCHMARKS.md; -DDEEPINFER_DECODE_PORTABLE builds them, for comparison);
+//   elsewhere those portable vectors.
 // Sums are float32. What each path costs: BENCHMARKS.md, "Decode attention paths" (a path of AVX-512 BF16
 // dot products was measured there too, no faster than float32's, and dropped).
 //
@@ -194,10 +197,82 @@ void soften(const Problem& p, int64_t rows, int64_t h0, float* s, float* top, fl
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(DEEPINFER_DECODE_PORTABLE)
+#define DEEPINFER_DECODE_AVX2 1  // 4 heads at a time in 8-float registers (a CPU with AVX2 and FMA, no AVX-512)
+#include <immintrin.h>
+
+// [sum of a[0], ..., sum of a[7]]: each register's 8 lanes summed, all eight at once.
+inline __m256 lane_sums(const __m256* a) {
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// scores<4> for AVX2's 16 registers: 4 heads x 2 rows of 8-lane sums (8 registers) with 2 key and 1 query
+// vectors live, so each step loads 6 vectors for 8 FMAs; the 8 sums are reduced together once per row pair.
+void scores4_avx2(const float* q, const float* K, int64_t rows, int64_t A, float scale, int64_t T, float* s) {
+  alignas(32) float out[8];
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    __m256 a[8];
+    for (auto& x : a) x = _mm256_setzero_ps();
+    const float* k0 = K + r * A;
+    const float* k1 = k0 + A;
+    for (int64_t i = 0; i < A; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);
+      for (int h = 0; h < 4; ++h) {
+        const __m256 qh = _mm256_loadu_ps(q + h * A + i);
+        a[2 * h] = _mm256_fmadd_ps(qh, x0, a[2 * h]);
+        a[2 * h + 1] = _mm256_fmadd_ps(qh, x1, a[2 * h + 1]);
+      }
+    }
+    _mm256_store_ps(out, _mm256_mul_ps(lane_sums(a), _mm256_set1_ps(scale)));
+    for (int h = 0; h < 4; ++h) s[h * T + r] = out[2 * h], s[h * T + r + 1] = out[2 * h + 1];
+  }
+  if (r < rows) {  // an odd last row: its 4 sums beside 4 zeros
+    __m256 a[8];
+    for (auto& x : a) x = _mm256_setzero_ps();
+    const float* k0 = K + r * A;
+    for (int64_t i = 0; i < A; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + i);
+      for (int h = 0; h < 4; ++h) a[2 * h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * A + i), x0, a[2 * h]);
+    }
+    _mm256_store_ps(out, _mm256_mul_ps(lane_sums(a), _mm256_set1_ps(scale)));
+    for (int h = 0; h < 4; ++h) s[h * T + r] = out[2 * h];
+  }
+}
+
+// values<4> for AVX2: 4 heads x 16 value columns of accumulators (8 registers); each row loads 2 key vectors
+// and 4 weights for 8 FMAs. Each column's sum runs over the rows in order, as values<G> sums it.
+void values4_avx2(const float* w, const float* K, int64_t rows, int64_t A, int64_t C, int64_t T, float* acc) {
+  for (int64_t c = 0; c < C; c += 16) {
+    __m256 a0[4], a1[4];
+    for (int h = 0; h < 4; ++h) a0[h] = _mm256_loadu_ps(acc + h * C + c), a1[h] = _mm256_loadu_ps(acc + h * C + c + 8);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 x0 = _mm256_loadu_ps(K + r * A + c), x1 = _mm256_loadu_ps(K + r * A + c + 8);
+      for (int h = 0; h < 4; ++h) {
+        const __m256 wh = _mm256_broadcast_ss(w + h * T + r);
+        a0[h] = _mm256_fmadd_ps(wh, x0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(wh, x1, a1[h]);
+      }
+    }
+    for (int h = 0; h < 4; ++h) _mm256_storeu_ps(acc + h * C + c, a0[h]), _mm256_storeu_ps(acc + h * C + c + 8, a1[h]);
+  }
+}
+#endif
+
 // One page's rows (float32) for heads [h0, h0 + G): scores, the online-softmax update, values.
 template <int G>
 void page_step(const Problem& p, const float* q, const float* K, int64_t rows, int64_t h0, float* s,
                float* top, float* total, float* acc) {
+#ifdef DEEPINFER_DECODE_AVX2
+  if constexpr (G == 4) {
+    scores4_avx2(q + h0 * p.A, K, rows, p.A, p.scale, p.T, s);
+    soften<G>(p, rows, h0, s, top, total, acc);
+    values4_avx2(s, K, rows, p.A, p.C, p.T, acc + h0 * p.C);
+    return;
+  }
+#endif
   scores<G>(q + h0 * p.A, K, rows, p.A, p.scale, p.T, s);
   soften<G>(p, rows, h0, s, top, total, acc);
   values<G>(s, K, rows, p.A, p.C, p.T, acc + h0 * p.C);
@@ -364,6 +439,8 @@ void heads_step(const Problem& p, const float* q, const float* K, int64_t rows, 
 #if defined(__AVX512F__)
   for (; h + 8 <= p.N; h += 8) page_step<8>(p, q, K, rows, h, s, top, total, acc);
   if (h + 4 <= p.N) page_step<4>(p, q, K, rows, h, s, top, total, acc), h += 4;
+#elif defined(DEEPINFER_DECODE_AVX2)
+  for (; h + 4 <= p.N; h += 4) page_step<4>(p, q, K, rows, h, s, top, total, acc);  // scores4_avx2, values4_avx2
 #else
   // 16 vector registers of 8 floats: 2 heads' accumulators for two rows (or two column vectors) fill 8 of
   // them, where 8 heads' (32) spilled to the stack on every step (each head's sums are the same either way)
