@@ -33,8 +33,6 @@ PAGE = 64
 
 
 PORTABLE_TARGET = "deepinfer_paged_mla_decode_portable"
-SECTIONS = {"amx": "", "avx512": ", a CPU without AMX", "avx2": ", a CPU with AVX2 alone",
-            "portable": ", a CPU without AVX2"}  # report sections by cpu_kernels.cpu_kind()
 
 
 def available_paths(cfg) -> list[str]:
@@ -103,7 +101,6 @@ def write(result: dict) -> None:
     rows = [[c["sequences"], c["context"], *(f"{c['seconds'][p] * 1e3:.3f}" for p in paths),
              *(f"{c['seconds'][paths[0]] / c['seconds'][p]:.2f}x" for p in paths[1:]), f"{c['gb_per_s'][best]:.1f}"]
             for c in result["cases"]]
-    kind = result.get("cpu_kind", "amx")
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"One layer of `{result['preset']}`'s decode attention ({result['heads']} heads over "
@@ -117,7 +114,8 @@ def write(result: dict) -> None:
             report.markdown_table(["sequences", "context", *(f"{p} ms" for p in paths),
                                    *(f"{p} speed-up" for p in paths[1:]), f"{best} GB/s of pages"], rows)]
     body.append(f"\n![decode_attention_bench](bench/results/{plot(result)})")
-    report.update_section(f"Decode attention paths (decode_attention_bench{SECTIONS[kind]})", "\n".join(body))
+    where = report.CPU_SECTIONS[report.cpu_kind(result)]
+    report.update_section(f"Decode attention paths (decode_attention_bench{where})", "\n".join(body))
 
 
 def plot(result: dict) -> str:
@@ -136,8 +134,7 @@ def plot(result: dict) -> str:
     ax.set_title(f"decode attention paths, {result['preset']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    kind = result.get("cpu_kind", "amx")
-    return report.save_figure(fig, f"decode_attention_bench{'' if kind == 'amx' else '_' + kind}.png")
+    return report.save_figure(fig, f"decode_attention_bench{report.CPU_FIGURES[report.cpu_kind(result)]}.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import decode_attention_bench, report
+from bench import report
 from bench.moe_bench import median_seconds
 from model import cpu_kernels
 from model.config import preset
@@ -30,7 +30,6 @@ from model.weights import init_model
 COMMAND = "python -m bench.decode_bench"
 _argmax = jax.jit(lambda logits_BV: jnp.argmax(logits_BV, axis=-1))
 DEFAULT_CONTEXT = 512
-SECTIONS = decode_attention_bench.SECTIONS  # a report section per kind of CPU
 MODES = ("default", "invariant", "float32", "xla_view", "xla_products", "float32_attention")
 
 
@@ -165,13 +164,8 @@ def write(result: dict) -> None:
                                         "argmax / ours"], host)]
     body.append(f"\n![decode_bench](bench/results/{plot(result)})")
     other = "" if result["context"] == DEFAULT_CONTEXT else f", context {result['context']}"
-    other += SECTIONS[kind(result)]
+    other += report.CPU_SECTIONS[report.cpu_kind(result)]
     report.update_section(f"Decode batching and batch invariance (decode_bench{other})", "\n".join(body))
-
-
-def kind(result: dict) -> str:
-    """The kind of CPU a result was measured on (cpu_kernels.cpu_kind; older results say only whether AMX)."""
-    return result.get("cpu_kind") or ("amx" if result.get("amx", True) else "avx512")
 
 
 def plot(result: dict) -> str:
@@ -189,7 +183,7 @@ def plot(result: dict) -> str:
     ax.grid(alpha=0.3)
     ax.legend()
     other = "" if result["context"] == DEFAULT_CONTEXT else f"_context{result['context']}"
-    other += {"amx": "", "avx512": "_no_amx"}.get(kind(result), f"_{kind(result)}")
+    other += report.CPU_FIGURES[report.cpu_kind(result)]
     return report.save_figure(fig, f"decode_bench{other}.png")
 
 

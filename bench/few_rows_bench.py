@@ -22,13 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench import decode_attention_bench, report
+from bench import report
 from model import cpu_kernels
 from model.config import preset
 from model.serving import ServingLinear, serving_model
 from model.weights import init_model
 
-SECTIONS = decode_attention_bench.SECTIONS  # a report section per kind of CPU
 PATHS = {"amx": "one row: AVX-512 BF16 dot products; more: AMX tiles",
          "avx512": "one row: AVX-512 BF16 dot products; more: float32 FMAs (this CPU has no AMX)",
          "avx2": "float32 FMAs on weights widened in AVX2 registers (this CPU has no AVX-512)",
@@ -90,7 +89,7 @@ def write(result: dict) -> None:
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Every bfloat16 projection shape of `{result['preset']}` served (out, in), at "
-            f"{', '.join(str(n) for n in result['rows'])} rows: our few-row kernel ({PATHS[kind(result)]}) "
+            f"{', '.join(str(n) for n in result['rows'])} rows: our few-row kernel ({PATHS[report.cpu_kind(result)]}) "
             "against XLA's product as `ServingLinear` ran it before (one row as two). "
             "Median of "
             f"{result['repeats']} calls each, alternating. GB/s is the weight bytes over the time; the small "
@@ -100,12 +99,8 @@ def write(result: dict) -> None:
             report.markdown_table(["shape (out x in)", "projections", "rows", "kernel ms", "kernel GB/s", "XLA ms",
                                    "XLA GB/s", "XLA / kernel"], rows)]
     body.append(f"\n![few_rows_bench](bench/results/{plot(result)})")
-    report.update_section(f"Few-row products (few_rows_bench{SECTIONS[kind(result)]})", "\n".join(body))
-
-
-def kind(result: dict) -> str:
-    """The kind of CPU a result was measured on (cpu_kernels.cpu_kind; older results say only whether AMX)."""
-    return result.get("cpu_kind") or ("amx" if result.get("amx", True) else "avx512")
+    where = report.CPU_SECTIONS[report.cpu_kind(result)]
+    report.update_section(f"Few-row products (few_rows_bench{where})", "\n".join(body))
 
 
 def plot(result: dict) -> str:
@@ -123,8 +118,7 @@ def plot(result: dict) -> str:
     ax.set_title(f"few_rows_bench, {result['preset']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    suffix = {"amx": "", "avx512": "_no_amx"}.get(kind(result), f"_{kind(result)}")
-    return report.save_figure(fig, f"few_rows_bench{suffix}.png")
+    return report.save_figure(fig, f"few_rows_bench{report.CPU_FIGURES[report.cpu_kind(result)]}.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "bench" / "out"
 BENCHMARKS = ROOT / "BENCHMARKS.md"
+# The CPU kernels' paths differ by kind of CPU (model.cpu_kernels.cpu_kind): benchmarks of them report each kind
+# in its own section of BENCHMARKS.md and its own plot, so one machine's rows never overwrite another's.
+CPU_SECTIONS = {"amx": "", "avx512": ", a CPU without AMX", "avx2": ", a CPU with AVX2 alone",
+                "portable": ", a CPU without AVX2"}
+CPU_FIGURES = {"amx": "", "avx512": "_no_amx", "avx2": "_avx2", "portable": "_portable"}
+
+
+def cpu_kind(result: dict) -> str:
+    """The kind of CPU a result was measured on (its "cpu_kind"; older results say only whether AMX)."""
+    return result.get("cpu_kind") or ("amx" if result.get("amx", True) else "avx512")
 
 
 def machine() -> str:

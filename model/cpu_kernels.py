@@ -165,8 +165,6 @@ def few_rows_max() -> int:
     return int(_state.get("few_rows", 0)) if available("cpu")[0] else 0
 
 
-
-
 def cpu_kind() -> str:
     """Which of the kernels' vector paths this CPU takes: "amx", "avx512" (AVX-512 without AMX), "avx2" (AVX2 and
     FMA without AVX-512) or "portable" (GCC's portable vectors). Benchmarks report each kind apart."""
@@ -192,7 +190,7 @@ def few_rows_serve() -> bool:
     """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512, AMX, or AVX2 and FMA.
     Elsewhere it is a portable loop (GCC's vectors) of up to 4 rows, which lost to XLA on a Zen CPU when that
     CPU's build took it (few_rows_bench: the LM head at 1-4 rows 0.46-0.82x XLA's speed); on that CPU the AVX2
-    path ran the LM head at 1 row 3.75x XLA's speed, at 16 rows 1.81x (few_rows_bench)."""
+    path ran the LM head at 1 row 2.87x XLA's speed, at 16 rows 1.72x (few_rows_bench)."""
     return few_rows_max() > 0 and cpu_kind() != "portable"
 
 
