@@ -56,7 +56,7 @@ The remote twin of BlockStore (same save/prefetch shape) is services.kvstore.cli
 """
 from .capacity import SweepResult
 from .geometry import CacheGeometry
-from .hashing import block_hashes, extend_block_hashes
+from .hashing import block_hashes, cacheable_blocks, extend_block_hashes
 from .index import PrefixIndex, open_redis
 from .location import BlockLocation, Hit, SegmentRun, miss
 from .prefetch import LayerRead, LayerSource, Prefetch
@@ -69,5 +69,5 @@ from .store import BlockStore, SaveResult, SegmentWriteError
 __all__ = [
     "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "LayerSource", "Prefetch", "PrefixIndex",
     "ReconcileReport", "Reconciler", "RetentionPolicy", "SaveResult", "SegmentReader", "SegmentRun",
-    "SegmentWriteError", "StoreStats", "SweepResult", "block_hashes", "extend_block_hashes", "miss", "open_redis",
+    "SegmentWriteError", "StoreStats", "SweepResult", "block_hashes", "cacheable_blocks", "extend_block_hashes", "miss", "open_redis",
 ]

@@ -16,6 +16,12 @@ import numpy as np
 HASH_BYTES = 16
 
 
+def cacheable_blocks(tokens: int, block_tokens: int) -> int:
+    """Leading full blocks of a prompt of `tokens` a hit may cover, or a save publish: at least one prompt token is
+    always left to compute, since its logits give the first answer token (the one rule gateway and engine share)."""
+    return max(0, (tokens - 1) // block_tokens)
+
+
 def _as_bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 

@@ -36,11 +36,19 @@ class LayerSource(Protocol):
         """The prefetch of `hit` is over (its segments may be deleted now)."""
 
 
+class LayerBuffers(Protocol):
+    """Where a Prefetch reads each layer: `await take(l)` gives a C-contiguous (>= hit tokens, latent_dim) array
+    in cache dtype, waiting while it has none free (an engine's staging slots, freed as it places layers)."""
+
+    async def take(self, layer: int) -> np.ndarray: ...
+
+
 class Prefetch:
     """Reads every layer of `hit`, at most `read_ahead` layers in flight, starting at once.
 
     With `out` (num_layers, >= hit tokens, latent_dim), e.g. an engine's reused staging buffer,
-    layer l is read into out[l] and layer(l) returns a view of it: no fresh memory per read.
+    layer l is read into out[l] and layer(l) returns a view of it: no fresh memory per read. `out`
+    may also be LayerBuffers, which hand out a buffer per layer as the consumer frees them.
 
     Invariants: `await layer(l)` returns (tokens, latent_dim) in cache dtype holding only
     verified rows, tokens a multiple of block_tokens and never more than any earlier layer's;
@@ -49,9 +57,10 @@ class Prefetch:
     `await valid_tokens()`, known once all layers are verified.
     """
 
-    def __init__(self, source: LayerSource, hit: Hit, read_ahead: int, out: np.ndarray | None = None) -> None:
+    def __init__(self, source: LayerSource, hit: Hit, read_ahead: int,
+                 out: np.ndarray | LayerBuffers | None = None) -> None:
         g = source.geometry
-        if out is not None and (out.dtype != g.np_dtype or out.ndim != 3 or out.shape[0] != g.num_layers
+        if isinstance(out, np.ndarray) and (out.dtype != g.np_dtype or out.ndim != 3 or out.shape[0] != g.num_layers
                                 or out.shape[1] < hit.blocks * g.block_tokens or out.shape[2] != g.latent_dim
                                 or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous ({g.num_layers}, >= {hit.blocks * g.block_tokens}, "
@@ -86,7 +95,9 @@ class Prefetch:
 
     async def _read(self, layer: int, context: Any) -> None:
         try:
-            out = None if self._out is None else self._out[layer]
+            out = self._out
+            if out is not None:
+                out = out[layer] if isinstance(out, np.ndarray) else await out.take(layer)
             read = await self._source.read_layer(self.hit.truncated(self._valid_blocks), layer, context, out)
             self._valid_blocks = min(self._valid_blocks, read.valid_blocks)
             if layer > 0:  # deliver in layer order, so a later layer is never longer than an earlier one

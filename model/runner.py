@@ -1,13 +1,24 @@
-"""Runs the model over a latent cache: chunked prefill (on top of cached prefix latents), layer by layer.
+"""The engine's model: decode batches and ragged prefill passes over the paged latent pool, attention by a backend.
 
-Shapes never follow the prompt length: chunks are padded to power-of-two token buckets, and cache
-buffers and the cache views attention reads are bucketed (eighths of a power of two), so every prompt
-length reuses a handful of compiled layer functions (also kept in the persistent compilation cache).
+- decode: one token of each of B sequences. Layers run in groups of like layers, one jitted call a group (the
+  first embeds, the last applies the head), so warm-up compiles a few group shapes, not a whole model per batch
+  size. Attention reads each sequence's pages through its block table; the new latents are written into the pool
+  after the step (a scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool).
+- prefill: a pass computes segments (tokens [start, start + n) of one sequence each) layer-major: a layer's
+  latents of every row are written into the pages first and read back by attention, so a prefix loaded from
+  disk, kept in memory or computed a step earlier look the same. One segment is cut into chunks (the attention
+  budget's size, `prefill_chunk`); several short ones are laid out as tiles of a page each, every tile attending
+  over its own sequence's pages. Per layer the backend computes a context once (a view, expanded keys and
+  values, or nothing), then each chunk attends and runs the feed-forward over its rows.
+
+Shapes never follow a prompt's length: decode batches are powers of two (one fixed size in batch-invariant
+mode), decode tables one width (attention's work follows each sequence's position, not its table), prefill
+views powers of two (`view_bucket`), and compiles go to the persistent compilation cache.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from functools import lru_cache, partial
 from typing import NamedTuple
 
@@ -16,81 +27,71 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model.attention import AttentionBackend
+from model.attention.xla import DECODE_BLOCK_ROWS, key_block_for
 from model.config import ModelConfig
-from model.mla import KEY_BLOCK, key_block_for, prefer_absorbed
-from model.sampling import SamplingParams, SamplingRow, request_seed, sample_batch
+from model.latent_pool import SCRATCH_PAGE, LatentPool, as_bits, pow2
 from model.transformer import DeepseekModel
 
-MIN_VIEW = 256  # tokens: the smallest cache view / buffer
-MIN_CHUNK = 16  # tokens: the smallest padded chunk (a single decode token is its own bucket)
+MIN_VIEW = 256  # rows: the smallest prefill view
+MIN_CHUNK = 16  # tokens: the smallest padded chunk
+DECODE_VIEW_STEPS = 4  # decode cost buckets per doubling past 512 rows (`decode_shape`)
+DECODE_GROUP = 8  # layers per jitted decode call, at most
+MAX_PASS_TILES = 8  # tiles (a page of rows each) of a pass of several segments: 512 rows, as a chunk
+MAX_SEGMENT_TILES = 3  # tiles of a segment that goes in a pass of several
+MAX_TILE_VIEW = 4096  # rows of the longest view a pass of several segments gives each tile
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
     path = path or os.environ.get("DEEPINFER_JAX_CACHE", os.path.expanduser("~/.cache/deepinfer/jax"))
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    # Every compile is kept: the small ones (a slice, a gather, the sampler: 30-100 ms each) add up to
-    # seconds of stalls per new process, and a cache load takes a few ms.
+    # Every compile is kept: the small ones (a slice, a gather, the sampler: 30-100 ms each) add up to seconds of
+    # stalls per new process, and a cache load takes a few ms.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def bucket(n: int) -> int:
-    """Rows of a cache buffer or view holding n: steps of an eighth of the enclosing power of two (at
-    least MIN_VIEW), so a shape wastes at most ~12% while each octave has at most 8 compiled shapes."""
-    step = max(MIN_VIEW, _pow2(n) // 8)
-    return -(-max(n, 1) // step) * step
+def view_bucket(n: int, page: int, steps: int = 1) -> int:
+    """Rows of a view over positions [0, n), in whole pages: a power of two up to 512 rows; beyond, `steps` sizes
+    per doubling up to 4,096 rows and at least 2 past it. Every distinct shape is a compile that stalls the
+    whole engine, and a serving engine meets many lengths."""
+    n = max(n, MIN_VIEW)
+    pieces = 1 if n <= 512 else steps if n <= 4096 else max(steps, 2)
+    unit = pow2(n) // (2 * pieces)
+    return -(-(-(-n // unit) * unit) // page) * page
 
 
 def prefill_chunk(cfg: ModelConfig, total: int, chunk_tokens: int, budget_bytes: int, key_block: int) -> int:
-    """Largest power-of-two chunk (<= chunk_tokens) of a prompt ending at `total` whose float32
-    attention work space fits budget_bytes.
-
-    One-pass attention (key_block 0) holds (N, T, view) scores, so a long prompt shrinks the chunk (16
-    tokens for V3's 128 heads at 16K); blockwise attention holds one key block's scores plus its
-    running (N, T, C or V) output, so the chunk no longer shrinks with the prompt."""
-    view = bucket(total)
+    """Largest power-of-two chunk (<= chunk_tokens) of a prompt ending at `total` whose float32 attention work
+    space fits budget_bytes: one key block's scores (N, T, block) and the running (N, T, C or V) output, so the
+    chunk does not shrink with the prompt (one-pass attention, key_block 0, holds all (N, T, view) scores)."""
+    view = view_bucket(total, 64)
     block = key_block_for(view, key_block)
     per_token = cfg.num_heads * block * 4 * 3  # scores, exp, probs
-    if block < view:  # the running output and its update
+    if block < view:
         per_token += cfg.num_heads * max(cfg.kv_lora_rank, cfg.v_head_dim) * 4 * 2
     fit = max(MIN_CHUNK, budget_bytes // per_token)
-    return min(_pow2(chunk_tokens), 1 << (fit.bit_length() - 1))
-
-
-@jax.jit
-def _embed(embed_VD: jax.Array, tokens_T: jax.Array) -> jax.Array:
-    return jnp.take(embed_VD, tokens_T, axis=0)
+    return min(pow2(chunk_tokens), 1 << (fit.bit_length() - 1))
 
 
 class SplitModule:
     """A module split once for jitted calls: its graph definition, and its state as one flat list of arrays.
-    `jit(body)` makes body(module, *args) a function of args alone. Passed to jit as a static argument and a
-    pytree, a layer's graph definition was hashed, and its nnx State flattened, on every call: ~0.3 ms of Python
-    per call, 5.5 ms before a 64-token prefill segment of `mini` was dispatched (18 calls)."""
+    Passed to jit as a static argument and a pytree, a layer's graph definition was hashed, and its nnx State
+    flattened, on every call (~0.3 ms of Python a call)."""
 
     def __init__(self, module: nnx.Module):
         self.graphdef, state = nnx.split(module)
         self.leaves, self.state_def = jax.tree.flatten(state)
 
-    @property
-    def state(self) -> nnx.State:
-        return jax.tree.unflatten(self.state_def, self.leaves)
-
-    def jit(self, body: Callable, static_argnums: tuple[int, ...] = (),
-            donate_argnums: tuple[int, ...] = ()) -> Callable:
+    def jit(self, body: Callable, static_argnums: tuple[int, ...] = (), donate_argnums: tuple[int, ...] = ()):
         """body(module, *args) jitted as f(*args); argnums count args (the module is not one)."""
         return partial(_jit_body(body, self.graphdef, self.state_def, static_argnums, donate_argnums), self.leaves)
 
 
 @lru_cache(maxsize=None)
 def _jit_body(body, graphdef, state_def, static_argnums, donate_argnums):
-    """One jitted function per body and module structure (graph definition and state layout): layers of one
-    structure, and runners of one model, share its compiles."""
-
+    """One jitted function per body and module structure: layers of one structure, and runners of one model, share
+    its compiles."""
     def call(leaves, *args):
         return body(nnx.merge(graphdef, jax.tree.unflatten(state_def, leaves)), *args)
 
@@ -98,262 +99,330 @@ def _jit_body(body, graphdef, state_def, static_argnums, donate_argnums):
                    donate_argnums=tuple(i + 1 for i in donate_argnums))
 
 
-def _project(layer, x_TD, cache_SA, start):
-    positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
-    return layer.project(x_TD, positions_T, cache_SA, start)
+def _write_slots(pool_PBA, slots_T, latents_TA):
+    """The pool with each row t of latents_TA written at flat slot slots_T[t] (page * B + offset)."""
+    P, B, A = pool_PBA.shape
+    return pool_PBA.reshape(P * B, A).at[slots_T].set(as_bits(latents_TA), mode="promise_in_bounds").reshape(P, B, A)
 
 
-def _expand(layer, cache_SA, view):
-    return layer.attn.expand(cache_SA, view, layer.attn.products_dtype())
+def _decode_layer(backend, layer, absorbed, pool_PBA, x_BD, positions_B, tables_BQ):
+    """One decode token of B sequences through a layer: (x_BD, the tokens' latents (B, A))."""
+    attn = layer.attn
+    h_BD = layer.input_norm(x_BD)
+    q_nope_NBH, q_pe_NBR = attn.queries(h_BD, positions_B)
+    latents_BA = attn.latents(h_BD, positions_B)
+    q_lat_BNC = backend.per_head(q_nope_NBH, absorbed.w_uk_NCH).transpose(1, 0, 2)
+    q_BNA = jnp.concatenate([q_lat_BNC, q_pe_NBR.transpose(1, 0, 2)], axis=-1).astype(backend.decode_dtype)
+    out_BNC = backend.decode(attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA)
+    x_BD = x_BD + attn.output(backend.per_head(out_BNC.transpose(1, 0, 2), absorbed.w_uv_NVC))
+    return x_BD + layer.mlp(layer.post_attn_norm(x_BD)), latents_BA
 
 
-def _bits_dtype(dtype) -> jnp.dtype:
-    return jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}")
+@lru_cache(maxsize=64)
+def _decode_group(layer_defs: tuple, head_def, weights_def, backend: AttentionBackend, first: bool, last: bool):
+    """A group's decode call jitted for its layers' graph definitions and weights layout (`weights_def`); cached by
+    them, so groups of one structure, and runners of one model, share compiles. The first group embeds the tokens,
+    the last applies the head: (x_BD or logits (B, V) float32, latents (G, B, A))."""
+    def step(weights, pools, x, positions_B, tables_BQ):
+        embed_VD, states, absorbeds, head_state = jax.tree.unflatten(weights_def, weights)
+        x_BD = jnp.take(embed_VD, x, axis=0) if first else x
+        latents = []
+        for graphdef, state, absorbed, pool_PBA in zip(layer_defs, states, absorbeds, pools):
+            x_BD, latents_BA = _decode_layer(backend, nnx.merge(graphdef, state), absorbed, pool_PBA, x_BD,
+                                             positions_B, tables_BQ)
+            latents.append(latents_BA)
+        if last:
+            head = nnx.merge(head_def, head_state)
+            x_BD = head.lm_head(head.norm(x_BD)).astype(jnp.float32)
+        return x_BD, jnp.stack(latents)
 
-
-def _as_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
-
-
-def _finish(layer, x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, expanded, key_block):
-    positions_T = start + jnp.arange(x_TD.shape[0], dtype=jnp.int32)
-    # Attention reads the cache as raw bits (MLAttention._rows): handed bfloat16 rows, XLA:CPU converted the whole
-    # cache to float32 before the blockwise loop.
-    return layer.finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, _as_bits(cache_SA), view, expanded, key_block)
-
-
-class LayerCalls(NamedTuple):
-    """A layer's jitted building blocks (`SplitModule.jit` of the bodies above)."""
-    project: Callable  # (x_TD, cache_SA, start) -> q_nope_NTH, q_pe_NTR, cache_SA (donated)
-    expand: Callable  # (cache_SA, view) -> expanded K and V
-    finish: Callable  # (x_TD, q_nope_NTH, q_pe_NTR, cache_SA, start, view, expanded, key_block) -> (T, D)
-
-    @classmethod
-    def of(cls, layer: SplitModule) -> "LayerCalls":
-        return cls(layer.jit(_project, donate_argnums=(1,)), layer.jit(_expand, static_argnums=(1,)),
-                   layer.jit(_finish, static_argnums=(5, 7)))
-
-
-@partial(jax.jit, static_argnums=(0, 1, 7, 8), donate_argnums=(5,))
-def _decode(layer_defs, head_def, embed_VD, layer_states, head_state, caches, token, view, absorbed, start):
-    """One decode step through every layer in a single dispatch: (logits (V,), new caches)."""
-    x_TD = jnp.take(embed_VD, token[None], axis=0)  # (1, D)
-    positions_T = start[None]
-    out = []
-    for graphdef, state, cache_SA in zip(layer_defs, layer_states, caches):
-        layer = nnx.merge(graphdef, state)
-        q_nope_NTH, q_pe_NTR, cache_SA = layer.project(x_TD, positions_T, cache_SA, start)
-        expanded = None if absorbed else layer.attn.expand(cache_SA, view, x_TD.dtype)
-        x_TD = layer.finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, view, expanded)
-        out.append(cache_SA)
-    return nnx.merge(head_def, head_state)(x_TD, 0), out
-
-
-def _head(head, x_TD, index):
-    return head(x_TD, index)
-
-
-@partial(jax.jit, static_argnums=(1,))
-def _grow(cache_SA: jax.Array, capacity: int) -> jax.Array:
-    return jnp.pad(cache_SA, ((0, capacity - cache_SA.shape[0]), (0, 0)))
+    return jax.jit(step)
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def _place(cache_SA: jax.Array, latents_PA: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_slice(cache_SA, latents_PA.astype(cache_SA.dtype), (0, 0))
+def _write_latents(pools, slots_B, latents):
+    latents_LBA = jnp.concatenate(latents)
+    return [_write_slots(pool_PBA, slots_B, latents_BA) for pool_PBA, latents_BA in zip(pools, latents_LBA)]
 
 
-class LatentCache:
-    """Per-layer latent buffers (capacity, A) in cache dtype; rows [0, length) are valid."""
-
-    def __init__(self, cfg: ModelConfig, capacity: int = MIN_VIEW):
-        self.cfg = cfg
-        self.capacity = bucket(capacity)
-        self.layers = [jnp.zeros((self.capacity, cfg.latent_dim), cfg.cache_dtype) for _ in range(cfg.num_layers)]
-        self.length = 0
-
-    def reserve(self, tokens: int) -> None:
-        if tokens > self.capacity:
-            self.capacity = bucket(tokens)
-            self.layers = [_grow(buf, self.capacity) for buf in self.layers]
-
-    def place_prefix(self, layer: int, latents_PA: np.ndarray | jax.Array) -> None:
-        """Loads a prefix's latents (P, A) for one layer into rows [0, P)."""
-        if latents_PA.shape[1:] != (self.cfg.latent_dim,):
-            raise ValueError(f"prefix latents must be (P, {self.cfg.latent_dim}), got {latents_PA.shape}")
-        rows = latents_PA.shape[0]
-        self.reserve(rows)
-        # Pad to a bucket so prefixes of every length share a few compiled shapes; the pad rows lie
-        # past the prefix, where the suffix's latents overwrite them or causal masking hides them.
-        padded = min(bucket(rows), self.capacity)
-        if padded != rows:
-            latents_PA = np.pad(np.asarray(latents_PA), ((0, padded - rows), (0, 0)))
-        self.layers[layer] = _place(self.layers[layer], jnp.asarray(latents_PA))
-
-    def latents(self, layer: int, begin: int, end: int) -> np.ndarray:
-        """Rows [begin, end) of one layer as a host array (P, A) in cache dtype (for saving)."""
-        if not 0 <= begin <= end <= self.length:
-            raise ValueError(f"latent rows [{begin}, {end}) outside the valid [0, {self.length})")
-        return np.asarray(self.layers[layer][begin:end])
+def layer_groups(defs: list) -> list[range]:
+    """Runs of consecutive layers of one structure, each cut into near-equal groups of at most DECODE_GROUP."""
+    groups, start = [], 0
+    for i in range(1, len(defs) + 1):
+        if i == len(defs) or defs[i] != defs[start]:
+            size = -(-(i - start) // -(-(i - start) // DECODE_GROUP))
+            groups += [range(s, min(s + size, i)) for s in range(start, i, size)]
+            start = i
+    return groups
 
 
-class Prefill(NamedTuple):
-    logits: np.ndarray  # (V,) float32 at the last prompt position
-    cache: LatentCache
+def _project(layer, x_TD, pool_PBA, positions_T, slots_T):
+    """Queries of T tokens, and their latents written into the pool."""
+    h_TD = layer.input_norm(x_TD)
+    q_nope_NTH, q_pe_NTR = layer.attn.queries(h_TD, positions_T)
+    return q_nope_NTH, q_pe_NTR, _write_slots(pool_PBA, slots_T, layer.attn.latents(h_TD, positions_T))
 
 
+def _context(layer, pool_PBA, tables_MQ, end, into, backend, form):
+    return backend.prefill_context(layer.attn, pool_PBA, tables_MQ, end, form, into)
 
 
-LayerLoader = Callable[[int], "np.ndarray | jax.Array"]  # layer -> prefix latents (P, A); may block on disk
+def _attend(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, positions_MT, context, backend, form):
+    """A chunk's attention (the backend's), its residual and the feed-forward over its R rows: (R, D)."""
+    out_NRV = backend.prefill_attend(layer.attn, q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, context,
+                                     form)
+    x_RD = x_RD + layer.attn.output(out_NRV)
+    return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
 
 
-class ModelRunner:
-    """Owns a model's weights split per layer; all compute goes through a few jitted functions."""
+def _head_rows(head, x_RD, rows_K):
+    """Logits (K, V) float32 of rows rows_K."""
+    return head.lm_head(head.norm(x_RD[rows_K])).astype(jnp.float32)
 
-    def __init__(self, model: DeepseekModel, cfg: ModelConfig, chunk_tokens: int = 512,
-                 attention: str = "auto", attention_budget_bytes: int = 512 << 20, key_block: int = KEY_BLOCK):
-        if attention not in ("auto", "absorbed", "expanded"):
-            raise ValueError(f"attention must be auto, absorbed or expanded, got {attention!r}")
-        if key_block < 0:
-            raise ValueError(f"key_block must be >= 0 (0 = one-pass attention), got {key_block}")
-        self.cfg = cfg
-        self.chunk_tokens = _pow2(chunk_tokens)
-        self.attention = attention
-        self.attention_budget_bytes = attention_budget_bytes
-        self.key_block = key_block  # key rows per step of prefill attention; 0 = all scores at once
+
+@jax.jit
+def _embed(embed_VD, tokens_T):
+    return jnp.take(embed_VD, tokens_T, axis=0)
+
+
+class Segment(NamedTuple):
+    """Tokens at positions [start, start + len(tokens)) of one sequence whose block table is `pages`."""
+    tokens: np.ndarray
+    start: int
+    pages: list[int]
+
+
+class DecodeRow(NamedTuple):
+    token: int
+    position: int  # where the token goes (its latent is written at this position)
+    pages: list[int]  # the sequence's block table, covering position
+
+
+class _Chunk(NamedTuple):
+    x_RD: jax.Array
+    positions_MT: np.ndarray
+    slots_R: np.ndarray
+
+
+class PrefillPass:
+    """A prefill pass under way, a unit at a time (a layer's context, or a chunk of a layer): `step()` dispatches
+    the next unit and returns its output (to block on, to time it), `layer` is the next unit's layer; once `units`
+    steps are done, `result` holds the logits (K, V) at each segment's last token, K a power of two (rows past the
+    segments repeat the last), or without logits the last chunk's output. Between units the caller may dispatch
+    other work, such as a decode step; a pass closed part-way has written its rows into some layers only: its
+    sequences must compute them again."""
+
+    def __init__(self, units: int, per_layer: int, run: Generator):
+        self.units, self.per_layer, self.done, self.result = units, per_layer, 0, None
+        self._run = run
+
+    @property
+    def layer(self) -> int:
+        return self.done // self.per_layer
+
+    def step(self) -> object:
+        out = next(self._run)
+        self.done += 1
+        if self.done == self.units:
+            try:
+                next(self._run)
+            except StopIteration as finished:
+                self.result = finished.value
+        return out
+
+    def run(self) -> jax.Array:
+        while self.done < self.units:
+            self.step()
+        return self.result
+
+    def close(self) -> None:
+        self._run.close()
+
+
+class Runner:
+    def __init__(self, model: DeepseekModel, cfg: ModelConfig, pool: LatentPool, backend: AttentionBackend,
+                 chunk_tokens: int = 512, attention_budget_bytes: int = 512 << 20, fixed_batch: int = 0,
+                 form: str = "auto"):
+        if form not in ("auto", "absorbed", "expanded"):
+            raise ValueError(f"form must be auto, absorbed or expanded, got {form!r}")
+        self.cfg, self.pool, self.backend, self.page = cfg, pool, backend, pool.page_tokens
+        self.chunk_tokens, self.attention_budget_bytes = pow2(chunk_tokens), attention_budget_bytes
+        self.fixed_batch = fixed_batch  # batch-invariant mode: every decode batch padded to this size
+        self.form = form  # prefill attention's form: the backend's choice, or one named (tests, benchmarks)
         self.embed_VD = model.embed[...]
-        self.split_layers = [SplitModule(layer) for layer in model.layers]
-        self.layer_calls = [LayerCalls.of(layer) for layer in self.split_layers]
-        self.split_head = SplitModule(model.head)
-        self._head = self.split_head.jit(_head)
-        # (graph definition, state) of each layer and of the head, for the whole-model decode jits
-        self.layers = [(layer.graphdef, layer.state) for layer in self.split_layers]
-        self.head = (self.split_head.graphdef, self.split_head.state)
-        self.prefill_kernel = bool(model.layers[0].attn.prefill_kernel)  # absorbed prefill by the CPU kernel
+        layers = [SplitModule(layer) for layer in model.layers]
+        self._project = [layer.jit(_project, donate_argnums=(1,)) for layer in layers]
+        self._context = [layer.jit(_context, static_argnums=(4, 5), donate_argnums=(3,)) for layer in layers]
+        self._attend = [layer.jit(_attend, static_argnums=(7, 8)) for layer in layers]
+        head = SplitModule(model.head)
+        self._head_rows = head.jit(_head_rows)
+        # decode: tables of one width, whole key blocks of DECODE_BLOCK_ROWS, up to the longest context the pool
+        # and the model allow
+        step = max(1, DECODE_BLOCK_ROWS // self.page)
+        self.table_pages = -(-min(pool.num_pages - 1, -(-cfg.max_position_embeddings // self.page)) // step) * step
+        absorbed = [backend.absorbed(layer.attn) for layer in model.layers]
+        self._groups = []
+        for group in layer_groups([layer.graphdef for layer in layers]):
+            first, last = group.start == 0, group.stop == len(layers)
+            weights, weights_def = jax.tree.flatten((self.embed_VD if first else None,
+                                                     [jax.tree.unflatten(layers[i].state_def, layers[i].leaves)
+                                                      for i in group], [absorbed[i] for i in group],
+                                                     jax.tree.unflatten(head.state_def, head.leaves) if last else None))
+            call = _decode_group(tuple(layers[i].graphdef for i in group), head.graphdef, weights_def, backend, first,
+                                 last)
+            self._groups.append((group, call, weights))
 
-    # -- building blocks, one layer at a time (the engine interleaves disk reads with these) --
-
-    def check_tokens(self, tokens: np.ndarray, start: int, extra: int = 0) -> None:
+    def check_tokens(self, tokens: np.ndarray, extra: int = 0) -> None:
         if tokens.ndim != 1 or tokens.size == 0:
             raise ValueError("tokens must be a non-empty 1-D sequence")
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             bad = int(tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)][0])
             raise ValueError(f"token id {bad} out of range [0, {self.cfg.vocab_size})")
-        if start + tokens.size + extra > self.cfg.max_context:
-            raise ValueError(f"prompt of {start + tokens.size} tokens (+{extra} to generate) exceeds the "
-                             f"context length {self.cfg.max_context}")
+        if tokens.size + extra > self.cfg.max_context:
+            raise ValueError(f"prompt of {tokens.size} tokens (+{extra} to generate) exceeds the context length "
+                             f"{self.cfg.max_context}")
 
-    def chunk_size(self, total: int) -> int:
-        return prefill_chunk(self.cfg, total, self.chunk_tokens, self.attention_budget_bytes, self.key_block)
+    def _slots(self, positions: np.ndarray, pages: list[int], valid: int) -> np.ndarray:
+        """Flat pool slots of positions; positions at or past `valid` go to the scratch page."""
+        table = np.asarray(pages, np.int64)
+        real = positions < valid
+        slots = SCRATCH_PAGE * self.page + positions % self.page
+        slots[real] = table[positions[real] // self.page] * self.page + positions[real] % self.page
+        return slots.astype(np.int32)
 
-    def embed(self, tokens_T: np.ndarray) -> jax.Array:
-        return _embed(self.embed_VD, jnp.asarray(tokens_T, jnp.int32))
+    def _table(self, pages: list[int], count: int) -> np.ndarray:
+        table = np.full(count, SCRATCH_PAGE, np.int32)
+        n = min(len(pages), count)
+        table[:n] = pages[:n]
+        return table
 
-    def layer(self, layer: int, chunks: list[jax.Array], cache: LatentCache, start: int) -> list[jax.Array]:
-        """One decoder layer over consecutive chunks of T tokens (positions start, start+T, ...).
+    # -- decode --
 
-        Layer-major: every chunk's latents go into the cache first, K/V are expanded from the cache once
-        for the whole span (expanded form), then each chunk attends over its causal view. A long prompt
-        thus expands each latent once per layer, not once per chunk.
-        """
-        T = chunks[0].shape[0]
-        span = T * len(chunks)
-        calls = self.layer_calls[layer]
-        buf = cache.layers[layer]
-        queries = []
-        for i, x_TD in enumerate(chunks):
-            q_nope_NTH, q_pe_NTR, buf = calls.project(x_TD, buf, np.int32(start + i * T))
-            queries.append((q_nope_NTH, q_pe_NTR))
-        full_view = self._view(cache, start + span)
-        absorbed = (prefer_absorbed(self.cfg, span, full_view, self.prefill_kernel) if self.attention == "auto"
-                    else self.attention == "absorbed")
-        expanded = None if absorbed else calls.expand(buf, full_view)
-        out = [calls.finish(x_TD, *queries[i], buf, np.int32(start + i * T), self._view(cache, start + (i + 1) * T),
-                            expanded, self.key_block)
-               for i, x_TD in enumerate(chunks)]
-        cache.layers[layer] = buf
-        return out
+    def decode_shape(self, positions: list[int]) -> tuple[int, int]:
+        """(padded batch, rows attention reads for each sequence) of a decode dispatch of sequences at these
+        positions, as the step's cost follows them: the longest position's (bucketed) where the backend's decode
+        reads blocks up to it for every row, the table's width where each row reads only its own."""
+        batch = max(self.fixed_batch, pow2(len(positions)))
+        if not self.backend.decode_by_longest:
+            return batch, self.table_pages * self.page
+        return batch, view_bucket(max(positions) + 1, self.page, DECODE_VIEW_STEPS)
 
-    @staticmethod
-    def _view(cache: LatentCache, end: int) -> int:
-        """Cache rows a query chunk ending at `end` attends over (bucketed, so shapes repeat)."""
-        return min(cache.capacity, bucket(end))
+    def decode(self, rows: list[DecodeRow]) -> jax.Array:
+        """Feeds one token per sequence; returns their logits on the device, (B, V) with B >= len(rows): the rows
+        past len(rows) are the padded batch's."""
+        B = max(self.fixed_batch, pow2(len(rows)))
+        tokens, positions = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        slots = np.full(B, SCRATCH_PAGE * self.page, np.int32)
+        tables = np.full((B, self.table_pages), SCRATCH_PAGE, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i], positions[i] = r.token, r.position
+            slots[i] = self._slots(np.asarray([r.position]), r.pages, r.position + 1)[0]
+            tables[i] = self._table(r.pages, self.table_pages)
+        positions, tables, x, latents = jnp.asarray(positions), jnp.asarray(tables), tokens, []
+        for group, call, weights in self._groups:
+            x, group_latents = call(weights, [self.pool.layers[i] for i in group], x, positions, tables)
+            latents.append(group_latents)
+        self.pool.layers = _write_latents(self.pool.layers, slots, latents)
+        return x
 
-    def logits(self, x_TD: jax.Array, index: int) -> jax.Array:
-        return self._head(x_TD, np.int32(index))
+    # -- prefill --
 
-    # -- whole passes --
+    def batchable(self, n: int, end: int) -> bool:
+        """Whether a segment of n tokens ending at `end` goes in a pass of several: a short one (alone, its
+        padded chunk would be mostly padding, and its pass's fixed cost paid for a few rows) whose view is
+        short enough to be read for each tile of the pass."""
+        return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
 
-    def prefill(self, tokens: np.ndarray | list[int], cache: LatentCache | None = None, start: int = 0,
-                load_prefix: LayerLoader | None = None, chunk_tokens: int | None = None,
-                reserve: int = 0, prefix_ready: Callable[[int], bool] | None = None) -> Prefill:
-        """`prefill_on_device` with the logits copied to the host."""
-        logits, cache = self.prefill_on_device(tokens, cache, start, load_prefix, chunk_tokens, reserve, prefix_ready)
-        return Prefill(np.asarray(logits), cache)
+    def chunk_sizes(self, n: int, end: int) -> list[int]:
+        """Rows of each chunk of an n-token segment ending at `end`: chunks of `prefill_chunk`'s size (a power of
+        two), the last one cut to the rest in whole pages (a power of two up to a page): padded to a power of
+        two, a 300-token segment cost what 512 tokens do (167 against 174 ms on `mini`)."""
+        if n == 1:
+            return [1]
+        T = min(prefill_chunk(self.cfg, end, self.chunk_tokens, self.attention_budget_bytes, self.backend.key_block),
+                pow2(max(n, MIN_CHUNK)))
+        full = (n - 1) // T  # chunks before the last
+        rest = n - full * T
+        last = pow2(max(rest, MIN_CHUNK)) if rest <= self.page else -(-rest // self.page) * self.page
+        return [T] * full + [min(T, last)]
 
-    def prefill_on_device(self, tokens: np.ndarray | list[int], cache: LatentCache | None = None, start: int = 0,
-                          load_prefix: LayerLoader | None = None, chunk_tokens: int | None = None, reserve: int = 0,
-                          prefix_ready: Callable[[int], bool] | None = None) -> tuple[jax.Array, LatentCache]:
-        """Computes tokens at positions [start, start+n) over a cache whose rows [0, start) are the prefix.
+    def prefill_units(self, segments: list[tuple[int, int]]) -> int:
+        """The units of a pass of segments given as (n, end): a layer's chunks, and its context where that costs."""
+        if len(segments) > 1:
+            return self.cfg.num_layers
+        (n, end), = segments
+        return self.cfg.num_layers * (len(self.chunk_sizes(n, end)) + self._form(n, end).context_unit)
 
-        load_prefix(l), when given, supplies layer l's prefix latents (start, A) just before layer l of
-        the first chunk runs, so reading layer l+1 from disk overlaps computing layer l.
-        prefix_ready(l), when given, says whether load_prefix(l) would return at once: then the layers
-        already queued keep running while layer l is queued behind them (no wait, so no stall to
-        measure); otherwise they are finished first, so that the time load_prefix blocks is exactly
-        the time compute waits for disk.
-        """
-        tokens = np.asarray(tokens, np.int64)
-        self.check_tokens(tokens, start, reserve)
-        n = tokens.size
-        chunk = _pow2(chunk_tokens) if chunk_tokens else self.chunk_size(start + n)
-        T = 1 if n == 1 else min(chunk, _pow2(max(n, MIN_CHUNK)))
-        count = -(-n // T)
-        needed = start + count * T + reserve  # the padded tail chunk writes rows too
-        cache = cache or LatentCache(self.cfg, needed)
-        cache.reserve(needed)
-        padded = np.pad(tokens, (0, count * T - n))
-        chunks = [self.embed(padded[i * T:(i + 1) * T]) for i in range(count)]
+    def _form(self, n: int, end: int):
+        return self.backend.prefill_form(n, view_bucket(end, self.page), self.form)
+
+    def prefill(self, segments: list[Segment], want_logits: bool = True) -> PrefillPass:
+        """A pass computing these segments (their pages hold positions [0, start) already); it writes their
+        latents into the pages. Several segments go as tiles of a page each (MAX_PASS_TILES at most)."""
+        B, L = self.page, self.cfg.num_layers
+        ends = [s.start + len(s.tokens) for s in segments]
+        for s, end in zip(segments, ends):
+            if len(s.pages) * B < end:
+                raise ValueError(f"{len(s.pages)} pages cannot hold {end} tokens")
+        if len(segments) == 1:
+            seg, end, n = segments[0], ends[0], len(segments[0].tokens)
+            form = self._form(n, end)
+            sizes = self.chunk_sizes(n, end)
+            offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+            padded = np.zeros(sum(sizes), np.int32)
+            padded[:n] = seg.tokens
+            view = self.table_pages * B if form.fixed_table else view_bucket(end, B)
+            tables = self._table(seg.pages, view // B)[None]
+            chunks = [(padded[o:o + T], (seg.start + o + np.arange(T, dtype=np.int32))[None]) for o, T in
+                      zip(offsets, sizes)]
+            last_K = np.full(1, n - 1 - offsets[-1], np.int32)
+        else:
+            counts = [-(-len(s.tokens) // B) for s in segments]
+            if sum(counts) > MAX_PASS_TILES:
+                raise ValueError(f"{sum(counts)} tiles do not fit one pass of {MAX_PASS_TILES}")
+            form = self.backend.prefill_form(B, view_bucket(max(ends), B), "absorbed")
+            view = self.table_pages * B if form.fixed_table else view_bucket(max(ends), B)
+            M = sum(counts)
+            tokens_MT, positions_MT = np.zeros((M, B), np.int32), np.zeros((M, B), np.int32)
+            tables, last_K = np.zeros((M, view // B), np.int32), np.zeros(pow2(len(segments)), np.int32)
+            tile = 0
+            for k, (seg, count) in enumerate(zip(segments, counts)):
+                rows = slice(tile, tile + count)
+                tokens_MT[rows].reshape(-1)[:len(seg.tokens)] = seg.tokens
+                positions_MT[rows] = (seg.start + np.arange(count * B, dtype=np.int32)).reshape(count, B)
+                tables[rows] = self._table(seg.pages, view // B)
+                last_K[k:] = tile * B + len(seg.tokens) - 1
+                tile += count
+            chunks = [(tokens_MT.reshape(-1), positions_MT)]
+            seg_of_tile = np.repeat(np.arange(len(segments)), counts)
+        slot_chunks = []
+        for tokens, positions in chunks:
+            if len(segments) == 1:
+                slots = self._slots(positions.reshape(-1), segments[0].pages, ends[0])
+            else:
+                slots = np.concatenate([self._slots(positions[m], segments[k].pages, ends[k])
+                                        for m, k in enumerate(seg_of_tile)])
+            slot_chunks.append(_Chunk(_embed(self.embed_VD, jnp.asarray(tokens)), jnp.asarray(positions),
+                                      jnp.asarray(slots)))
+        per_layer = len(chunks) + form.context_unit
+        run = self._pass(slot_chunks, jnp.asarray(tables), max(ends), form, jnp.asarray(last_K), want_logits)
+        return PrefillPass(L * per_layer, per_layer, run)
+
+    def _pass(self, chunks: list[_Chunk], tables_MQ, end: int, form, last_K, want_logits: bool) -> Generator:
+        xs, context, end_ = [c.x_RD for c in chunks], None, jnp.asarray(end, jnp.int32)
         for layer in range(self.cfg.num_layers):
-            if load_prefix is not None:
-                if prefix_ready is None or not prefix_ready(layer):
-                    jax.block_until_ready(chunks)
-                cache.place_prefix(layer, load_prefix(layer))
-            chunks = self.layer(layer, chunks, cache, start)
-        cache.length = start + n
-        return self.logits(chunks[-1], (n - 1) - (count - 1) * T), cache  # (V,) on the device
-
-    def decode_step(self, token: int, cache: LatentCache) -> np.ndarray:
-        """`decode_on_device` with the logits copied to the host."""
-        return np.asarray(self.decode_on_device(token, cache))
-
-    def decode_on_device(self, token: int, cache: LatentCache) -> jax.Array:
-        """Logits (V,) after feeding one token at position cache.length (whole model, one dispatch)."""
-        self.check_tokens(np.asarray([token]), cache.length)
-        cache.reserve(cache.length + 2)
-        view = self._view(cache, cache.length + 1)
-        absorbed = self.attention != "expanded"
-        layer_defs = tuple(graphdef for graphdef, _ in self.layers)
-        logits, buffers = _decode(layer_defs, self.head[0], self.embed_VD, [state for _, state in self.layers],
-                                  self.head[1], cache.layers, np.int32(token), view, absorbed,
-                                  np.int32(cache.length))
-        cache.layers = list(buffers)
-        cache.length += 1
-        return logits
-
-    def generate(self, prompt: np.ndarray | list[int], params: SamplingParams, cache: LatentCache | None = None,
-                 start: int = 0, load_prefix: LayerLoader | None = None) -> Iterator[int]:
-        """Yields generated token ids; stops after a stop token (which is yielded) or max_tokens.
-
-        Logits stay on the device: the engine's `sample_batch` samples there (same seeded stream as
-        the engine's), and only the token id comes to the host each step."""
-        prompt = np.asarray(prompt, np.int64)
-        self.check_tokens(prompt, start, params.max_tokens)
-        logits_V, cache = self.prefill_on_device(prompt, cache, start, load_prefix, reserve=params.max_tokens)
-        seed = request_seed(params)
-        for produced in range(1, params.max_tokens + 1):
-            token = int(sample_batch(logits_V[None], [SamplingRow(params, seed, produced - 1)]).tokens[0])
-            yield token
-            if token in params.stop_token_ids or produced == params.max_tokens:
-                return
-            logits_V = self.decode_on_device(token, cache)
+            queries = []
+            for c, x in zip(chunks, xs):
+                q_nope, q_pe, self.pool.layers[layer] = self._project[layer](x, self.pool.layers[layer],
+                                                                             c.positions_MT.reshape(-1), c.slots_R)
+                queries.append((q_nope, q_pe))
+            into = self.backend.context_buffer(form.name, end, context)
+            context = self._context[layer](self.pool.layers[layer], tables_MQ, end_, into, self.backend, form.name)
+            if form.context_unit:
+                yield context
+            for i, c in enumerate(chunks):
+                # the pool's array as it is now: a decode step between units donates (replaces) it
+                xs[i] = self._attend[layer](xs[i], *queries[i], self.pool.layers[layer], tables_MQ, c.positions_MT,
+                                            context, self.backend, form.name)
+                yield xs[i]
+        return self._head_rows(xs[-1], last_K) if want_logits else xs[-1]

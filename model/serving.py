@@ -1,13 +1,13 @@
 """The model as the engine serves it: its projections at a serving dtype, stored (out, in).
 
-A checkpoint's weights keep their own dtype for conversion, parity tests and the dense runner's
-reference; the engine serves a copy whose every `Linear` becomes a `ServingLinear`:
+A checkpoint's weights keep their own dtype for conversion, parity tests and the reference forward
+(model/reference.py); the engine serves a copy whose every `Linear` becomes a `ServingLinear`:
 - weights at the serving dtype (bfloat16 by default, as vLLM's `--dtype auto` serves a float32
   checkpoint at half precision), stored (out, in) as PyTorch and GPU kernels keep them;
 - inputs cast to that dtype, products accumulated and returned in float32, so the residual stream,
   norms, softmax and sampling stay float32;
-- attention's absorbed weights (W_UK, W_UV) at that dtype too, so prefill attention (model/mla.py) takes
-  its inputs at it and accumulates in float32, as decode attention does (model/paged_runner.py).
+- attention's absorbed weights (W_UK, W_UV) at that dtype too, so attention (model/attention/) takes its
+  inputs at it and accumulates in float32.
 
 Why (measured on this CPU, XLA:CPU with YNNPACK, bench/decode_bench.py and BENCHMARKS.md): bfloat16
 products with an (out, in) operand run on the CPU's matrix units; 24 feed-forward products of `mini`
@@ -24,7 +24,7 @@ float32 sums, so the numbers differ from the bfloat16 products only in the order
 bfloat16 (the few-row kernel where the CPU has AVX-512 or AVX2, or XLA): widening the weights costs a pass over them
 that many rows repay and a few do not (the crossover measured at about 96 rows).
 
-`--dtype float32` serves the checkpoint's own weights unchanged: the dense runner's numerics.
+`--dtype float32` serves the checkpoint's own weights unchanged: the reference forward's numerics.
 """
 from __future__ import annotations
 
@@ -71,19 +71,18 @@ class ServingLinear(nnx.Module):
         return y[:1] if one_row else y
 
 
-def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
-                  prefill_kernel: bool = True, wide: bool = True) -> DeepseekModel:
-    """The model the engine runs at `dtype`. float32 over a float32 checkpoint is the model itself;
-    otherwise a new module tree that shares every array but the projections, which it re-lays (the
-    caller drops the original to free the old projections). Products of a few rows take the CPU's few-row
-    kernel where it serves (`cpu_kernels.few_rows_serve`), and absorbed prefill attention the CPU's prefill
-    attention kernel where it is available, unless `few_row_kernel` / `prefill_kernel` is False (benchmarks
-    compare both)."""
+def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True, wide: bool = True,
+                  platform: str | None = None) -> DeepseekModel:
+    """The model the engine runs at `dtype` on `platform` (None: where the model's arrays are). float32 over a
+    float32 checkpoint is the model itself; otherwise a new module tree that shares every array but the
+    projections, which it re-lays (the caller drops the original to free the old projections). Products of a few
+    rows take the CPU's few-row kernel where it serves (`cpu_kernels.few_rows_serve`), unless `few_row_kernel` is
+    False (benchmarks compare both)."""
     check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
         return model
     graphdef, state = nnx.split(model)
-    platform = next(iter(jax.tree.leaves(state)[0].devices())).platform
+    platform = platform or next(iter(jax.tree.leaves(state)[0].devices())).platform
     kernels = jnp.dtype(dtype) == jnp.bfloat16 and cpu_kernels.available(platform)[0]
     few_rows = few_row_kernel and kernels and cpu_kernels.few_rows_serve()
     widen = wide and jnp.dtype(dtype) == jnp.bfloat16 and platform == "cpu" and not cpu_kernels.has_amx()
@@ -93,10 +92,6 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
             module.w_uk = nnx.Param(module.w_uk[...].astype(dtype))
             module.w_uv = nnx.Param(module.w_uv[...].astype(dtype))
             module.wide = widen
-            module.prefill_kernel = (prefill_kernel and kernels and cpu_kernels.prefill_attention_available()
-                                     and jnp.dtype(module.cache_dtype) == jnp.bfloat16
-                                     and cpu_kernels.prefill_attention_supports(module.kv_lora_rank + module.rope_dim,
-                                                                                module.kv_lora_rank))
         elif isinstance(module, Linear):
             *parents, name = path
             parent = served

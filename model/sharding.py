@@ -27,7 +27,6 @@ import re
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -110,46 +109,6 @@ def expert_parallel(routed: Callable, x_TD, weights_TK, ids_TK, gate_EDI, up_EDI
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def _prompt_logits(graphdef, state, tokens_T):
-    model = nnx.merge(graphdef, state)
-    T = tokens_T.shape[0]
-    positions_T = jnp.arange(T, dtype=jnp.int32)
-    x_TD = jnp.take(model.embed[...], tokens_T, axis=0)  # (T, D)
-    for layer in model.layers:
-        cache_SA = jnp.zeros((T, layer.attn.kv_lora_rank + layer.attn.rope_dim), layer.attn.cache_dtype)
-        mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty:
-            cache_SA = jax.lax.with_sharding_constraint(cache_SA, P())  # the latent is replicated
-        q_nope_NTH, q_pe_NTR, cache_SA = layer.project(x_TD, positions_T, cache_SA, jnp.int32(0))
-        x_TD = layer.finish(x_TD, q_nope_NTH, q_pe_NTR, positions_T, cache_SA, T, None)
-    return model.head.lm_head(model.head.norm(x_TD)).astype(jnp.float32)  # (T, V)
-
-
-_prompt_logits_jit = jax.jit(_prompt_logits, static_argnums=(0,))
-
-
-def prompt_logits(model: nnx.Module, tokens_T: np.ndarray, mesh: Mesh | None = None) -> np.ndarray:
-    """Logits (T, V) at every position of one prompt, in one jitted pass over a contiguous latent
-    cache (absorbed attention); on `mesh` when given, with the model's weights already placed there.
-    A reference forward for checking sharded against unsharded runs, not the serving path."""
-    graphdef, state = nnx.split(model)
-    tokens_T = jnp.asarray(tokens_T, jnp.int32)
-    if mesh is None:
-        return np.asarray(_prompt_logits_jit(graphdef, state, tokens_T))
-    with jax.set_mesh(mesh):
-        return np.asarray(_prompt_logits_jit(graphdef, state, jax.device_put(tokens_T, replicated(mesh))))
-
-
-def greedy_tokens(model: nnx.Module, prompt: np.ndarray, count: int, mesh: Mesh | None = None) -> list[int]:
-    """`count` greedy tokens after `prompt`, each from a whole pass over a fixed-length buffer (one
-    compiled shape; causal masking hides the padding after the current position)."""
-    tokens = np.zeros(len(prompt) + count, np.int64)
-    tokens[: len(prompt)] = prompt
-    for n in range(len(prompt), len(prompt) + count):
-        tokens[n] = int(np.argmax(prompt_logits(model, tokens, mesh)[n - 1]))
-    return tokens[len(prompt):].tolist()
 
 
 def bytes_per_device(cfg, tensor: int, expert: int) -> int:

@@ -272,11 +272,11 @@ def check_each_replica_serves(project: Project, answer: str) -> dict[str, str]:
         before = engine_requests(container)
         hits, text = ask(project, pin=url)
         served = engine_requests(container) - before
-        attention = engine_stats(container)["decode_attention"]
+        attention = engine_stats(container)["attention_backend"]
         say(f"pinned to {url} ({container[:12]}): {hits} hit tokens, {served:.0f} request(s) counted there, "
-            f"decode attention {attention}")
+            f"attention backend {attention}")
         assert served == 1 and hits > 0 and text == answer, (url, served, hits, text)
-        assert attention == ("cpu-kernel" if decode_serves(container) else "xla-view"), "the image's g++ built it"
+        assert attention == ("cpu" if decode_serves(container) else "xla"), "the image's g++ built it"
     return replicas
 
 

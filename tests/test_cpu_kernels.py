@@ -158,14 +158,14 @@ def test_the_kernel_is_built_once_per_machine_and_loaded_after(tmp_path):
 
 @pytest.mark.parametrize("env, why", [({"DEEPINFER_CPU_KERNELS": "0"}, "disabled by DEEPINFER_CPU_KERNELS=0"),
                                       ({"CXX": "/nonexistent/g++"}, "build failed")])
-def test_without_the_kernel_decode_falls_back_to_the_gathered_view_and_says_why(tmp_path, env, why):
-    done = python(ASK + "\nfrom model.config import preset\nfrom model.paged_runner import LatentPool, PagedRunner\n"
+def test_without_the_kernel_the_xla_backend_serves_and_says_why(tmp_path, env, why):
+    done = python(ASK + "\nfrom model.config import preset\nfrom model.attention import make_backend\n"
                   "from model.serving import serving_model\nfrom model.weights import init_model\ncfg = preset('tiny')\n"
                   "model = serving_model(init_model(cfg), 'bfloat16')\n"
-                  "print(PagedRunner(model, cfg, LatentPool(cfg, 4, 64)).decode_kernel, model.head.lm_head.few_rows)",
+                  "print(make_backend('auto', cfg, 'cpu', 'bfloat16').name, model.head.lm_head.few_rows)",
                   DEEPINFER_KERNEL_CACHE=str(tmp_path / "kernels"), **env)
     verdict, kernels = done.stdout.strip().splitlines()
-    assert verdict.startswith("(False, ") and why in verdict and kernels == "False False"
+    assert verdict.startswith("(False, ") and why in verdict and kernels == "xla False"
     assert done.stderr.count("CPU kernels unavailable") == 1  # the operator is told, once
 
 

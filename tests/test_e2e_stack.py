@@ -5,11 +5,10 @@ import json
 import subprocess
 import urllib.request
 
-import numpy as np
 import pytest
 from openai import OpenAI
 
-from model.runner import ModelRunner
+from model.reference import generate
 from model.serving import serving_model
 from model.sampling import SamplingParams
 from model.weights import load_model
@@ -44,8 +43,8 @@ def tokens_of():
 @pytest.fixture(scope="module")
 def reference(stack):
     loaded = load_model(stack.data / "models" / "tiny")
-    runner = ModelRunner(serving_model(loaded.model, "bfloat16"), loaded.config)  # as the engines serve it
-    return lambda tokens, n: list(runner.generate(np.asarray(tokens), SamplingParams(max_tokens=n)))
+    served = serving_model(loaded.model, "bfloat16")  # as the engines serve it
+    return lambda tokens, n: generate(served, tokens, SamplingParams(max_tokens=n))
 
 
 def client(stack, key="key-a"):

@@ -1,25 +1,26 @@
-"""The serving engine in-process (tiny model, its real model thread): batching, invariance, preemption,
-interleaving, cancellation and page accounting, with a real Valkey index and real volumes for disk hits."""
+"""The runner over the paged pool (tiny model) and the serving engine in-process (its real model thread):
+batching, invariance, preemption, interleaving, cancellation and page accounting, with a real Valkey index and
+real volumes for disk hits. The runner is held to the reference forward (model/reference.py)."""
 import asyncio
-from types import SimpleNamespace
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvstore import CacheGeometry, PrefixIndex, block_hashes, miss, open_redis
+from kvstore import CacheGeometry, PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
+from model import reference
+from model.attention import make_backend
 from model.config import preset
-from model.paged_runner import (DECODE_VIEW_STEPS, MAX_PASS_TILES, DecodeRow, LatentPool, PagedRunner, Segment,
-                                run_layers, view_bucket)
-from model.runner import ModelRunner
+from model.latent_pool import LatentPool
+from model.runner import DECODE_VIEW_STEPS, MAX_PASS_TILES, DecodeRow, Runner, Segment, view_bucket
 from model.sampling import SamplingParams
 from model.serving import serving_model
 from model.weights import init_model, save_model
+from services.engine.block_manager import BlockManager
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.core import Engine
 from services.engine.engine_metrics import EngineMetrics
-from services.engine.scheduler import Step
+from services.engine.scheduler import Plan, SchedulePolicy, Scheduler
 from services.engine.sequence import Job, Sequence, Status
 
 SALT = "5a" * 16
@@ -82,7 +83,7 @@ class Running:
         """The index's hit for `tokens` (as the gateway would look it up), once the saves are durable."""
         index = PrefixIndex(open_redis(self.cfg.redis_url), self.cfg.index_prefix)
         hashes = block_hashes(tokens.tolist(), self.loaded.fingerprint, SALT, self.cfg.block_tokens)
-        want = (len(tokens) - 1) // self.cfg.block_tokens
+        want = cacheable_blocks(len(tokens), self.cfg.block_tokens)
         for _ in range(200):
             found = await index.lookup(hashes[:want])
             if found.blocks == want:
@@ -92,7 +93,7 @@ class Running:
 
     def check_pages(self) -> None:
         """Every page is free, hot, or owned exactly once by a live sequence's block table."""
-        self.engine.pages.check([seq.pages for seq in self.engine.scheduler.live()])
+        self.engine.blocks.check([seq.pages for seq in self.engine.scheduler.running])
 
     async def idle(self) -> None:
         for _ in range(400):
@@ -114,42 +115,52 @@ def engine_config(tmp_path, redis_url: str | None = None, **overrides) -> Engine
     return EngineConfig(**({"pool_tokens": 64 * 400, "heartbeat_s": 0.2} | cache | overrides))
 
 
-@pytest.mark.parametrize("dtype, attention_dtype, tolerance", [("float32", "float32", 1e-4),
-                                                                ("bfloat16", "bfloat16", 5e-3)])
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["cpu-kernel", "xla-view"])
-def test_paged_steps_match_the_dense_runner_on_a_fixed_schedule(tiny, dtype, attention_dtype, tolerance, decode_kernel):
-    """Default mode: ragged decode batches over pages give the dense runner's logits over the same served
-    model: within fp32 tolerance served in float32 with float32 decode attention, within bf16's served in
-    bfloat16 with the default (cache dtype) attention products; with decode attention by the CPU kernel
-    from the pages in place and by XLA's products over gathered views alike."""
+def runner(model, cfg, dtype: str, pages: int = 64, page: int = 64, backend: str = "auto", form: str = "auto",
+           backend_options: dict | None = None, **options) -> Runner:
+    """A runner of `model` (served at `dtype`) over a pool of its own."""
+    chosen = make_backend(backend, cfg, "cpu", dtype, page_tokens=page, **(backend_options or {}))
+    return Runner(model, cfg, LatentPool(cfg, pages, page), chosen, form=form, **options)
+
+
+def logits_of(run: Runner, segments: list[Segment]) -> np.ndarray:
+    return np.asarray(run.prefill(segments).run())
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 5e-3)])
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_paged_steps_match_the_reference_on_a_fixed_schedule(tiny, dtype, tolerance, backend):
+    """Ragged decode batches over pages give the reference forward's logits over the same served model: within fp32
+    tolerance served in float32 (float32 decode attention), within bf16's served in bfloat16 (cache-dtype attention
+    products); with decode attention by the cpu backend (its kernel reading the pages in place) and by xla's
+    (pages read through the tables a key block at a time) alike."""
     cfg = tiny.config
     served = serving_model(tiny.model, dtype)
-    dense = ModelRunner(served, cfg)
-    pool = LatentPool(cfg, 64, 64)
-    paged = PagedRunner(served, cfg, pool, chunk_tokens=64, decode_kernel=decode_kernel)
-    assert paged.decode_attention_dtype == attention_dtype  # derived from the served model
+    paged = runner(served, cfg, dtype, backend=backend, chunk_tokens=64)
+    assert paged.backend.decode_dtype == dtype  # derived from the served model
     lengths, tables = [70, 200, 5], [[3, 9], [4, 7, 12, 1], [2]]
     prompts = [prompt(10 + i, n) for i, n in enumerate(lengths)]
-    refs = [dense.prefill(p, reserve=8) for p in prompts]
     fed = []
-    for p, table, ref in zip(prompts, tables, refs):
+    for p, table in zip(prompts, tables):
         cut = len(p) // 2  # two segments, the second over the first's pages
-        paged.prefill(p[:cut], 0, table, False)
-        logits = np.asarray(paged.prefill(p[cut:], cut, table, True))
-        np.testing.assert_allclose(logits, ref.logits, atol=1e-4 * np.abs(ref.logits).max())
+        paged.prefill([Segment(p[:cut], 0, table)], want_logits=False).run()
+        logits = logits_of(paged, [Segment(p[cut:], cut, table)])[0]
+        want = reference.prompt_logits(served, p)[-1]
+        np.testing.assert_allclose(logits, want, atol=1e-4 * np.abs(want).max())
         fed.append(int(np.argmax(logits)))
+    contexts = [list(p) for p in prompts]
     for _ in range(3):  # three decode steps with every sequence in one batch
-        rows = [DecodeRow(t, int(r.cache.length), table) for t, r, table in zip(fed, refs, tables)]
+        rows = [DecodeRow(t, len(c), table) for t, c, table in zip(fed, contexts, tables)]
         batch = np.asarray(paged.decode(rows))
-        for i, (t, r) in enumerate(zip(fed, refs)):
-            want = dense.decode_step(t, r.cache)
+        for i, (t, c) in enumerate(zip(fed, contexts)):
+            c.append(t)
+            want = reference.prompt_logits(served, c)[-1]
             np.testing.assert_allclose(batch[i], want, atol=tolerance * np.abs(want).max())
-        fed = [int(np.argmax(row)) for row in batch]
+        fed = [int(np.argmax(row)) for row in batch[:len(fed)]]
 
 
 def test_view_buckets_are_powers_of_two_for_prefill_and_finer_for_decode():
     """Prefill views: powers of two up to 4K, quarters of one beyond (at most 2x masked rows, which its
-    blockwise attention mostly skips); decode views, read whole by every step: eighths past 512 rows."""
+    blockwise attention mostly skips); decode cost buckets, whose rows every step reads: eighths past 512."""
     lengths = (1, 256, 257, 512, 513, 700, 1025, 1500, 2049, 4096, 4097, 16385)
     assert [view_bucket(n, 64) for n in lengths] == [256, 256, 512, 512, 1024, 1024, 2048, 2048, 4096, 4096,
                                                      6144, 24576]
@@ -158,25 +169,25 @@ def test_view_buckets_are_powers_of_two_for_prefill_and_finer_for_decode():
     assert all(n <= v <= 1.25 * n for n, v in zip(lengths, decode) if n > 512) and all(v % 64 == 0 for v in decode)
 
 
-def test_a_segments_last_chunk_is_cut_to_its_rest_in_whole_pages_and_matches_the_dense_runner(tiny):
-    """PagedRunner.prefill: chunks of the dense runner's size, the last one cut to the rest (a power of two up to
-    a page, whole pages beyond), not padded to a power of two; the logits are the dense runner's either way."""
+def test_a_segments_last_chunk_is_cut_to_its_rest_in_whole_pages_and_matches_the_reference(tiny):
+    """Runner.prefill of one segment: chunks of the budget's size, the last one cut to the rest (a power of two up
+    to a page, whole pages beyond), not padded to a power of two; the logits are the reference's either way."""
     cfg = tiny.config
     served = serving_model(tiny.model, "float32")
-    paged = PagedRunner(served, cfg, LatentPool(cfg, 32, 64), chunk_tokens=256)
-    assert [paged._chunk_sizes(n, n) for n in (1, 20, 64, 190, 300, 600)] == [
+    paged = runner(served, cfg, "float32", pages=32, chunk_tokens=256)
+    assert [paged.chunk_sizes(n, n) for n in (1, 20, 64, 190, 300, 600)] == [
         [1], [32], [64], [192], [256, 64], [256, 256, 128]]
-    dense = ModelRunner(served, cfg, chunk_tokens=256)
     for i, (n, table) in enumerate([(300, [1, 2, 3, 4, 5]), (190, [6, 7, 8, 9])]):
         p = prompt(80 + i, n)
-        want = dense.prefill(p).logits
-        np.testing.assert_allclose(np.asarray(paged.prefill(p, 0, table, True)), want, atol=1e-4 * np.abs(want).max())
+        want = reference.prompt_logits(served, p)[-1]
+        np.testing.assert_allclose(logits_of(paged, [Segment(p, 0, table)])[0], want, atol=1e-4 * np.abs(want).max())
 
 
-def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny):
-    """PagedRunner.prefill_segments: segments of several sequences (lengths that fill tiles partly, positions
-    after a prefix already in their pages) in one pass give each one's logits and latents as computed alone
-    (served in float32: within fp32 tolerance), so decoding after either goes the same way."""
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny, backend):
+    """A pass of segments of several sequences (lengths that fill tiles partly, positions after a prefix already in
+    their pages) gives each one's logits and latents as computed alone (served in float32: within fp32 tolerance),
+    so decoding after either goes the same way."""
     cfg = tiny.config
     served = serving_model(tiny.model, "float32")
     specs = [(150, 0), (20, 64), (64, 130), (1, 300), (90, 10)]  # (segment tokens, start): 3+1+1+1+2 tiles
@@ -184,22 +195,20 @@ def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny)
     tables = [list(range(1 + 6 * i, 7 + 6 * i)) for i in range(len(specs))]
     results = {}
     for how in ("alone", "pass"):
-        pool = LatentPool(cfg, 64, 64)
-        paged = PagedRunner(served, cfg, pool, chunk_tokens=64)
+        paged = runner(served, cfg, "float32", backend=backend, chunk_tokens=64)
         for p, (n, start), table in zip(prompts, specs, tables):
             if start:
-                paged.prefill(p[:start], 0, table, False)
+                paged.prefill([Segment(p[:start], 0, table)], want_logits=False).run()
+        segments = [Segment(p[start:], start, table) for p, (n, start), table in zip(prompts, specs, tables)]
         if how == "alone":
-            logits = [np.asarray(paged.prefill(p[start:], start, table, True))
-                      for p, (n, start), table in zip(prompts, specs, tables)]
+            logits = [logits_of(paged, [segment])[0] for segment in segments]
         else:
             assert all(paged.batchable(n, start + n) for n, start in specs)
-            out = np.asarray(paged.prefill_segments([Segment(p[start:], start, table)
-                                                     for p, (n, start), table in zip(prompts, specs, tables)]))
+            out = logits_of(paged, segments)
             assert out.shape == (8, cfg.vocab_size)  # padded to a power of two of segments
             logits = list(out[:len(specs)])
-        latents = [np.asarray(pool.host(read))[:start + n]
-                   for (n, start), table in zip(specs, tables) for read in pool.read(table)]
+        latents = [np.asarray(paged.pool.host(read))[:start + n]
+                   for (n, start), table in zip(specs, tables) for read in paged.pool.read(table)]
         steps = np.asarray(paged.decode([DecodeRow(int(np.argmax(row)), start + n, table)
                                          for row, (n, start), table in zip(logits, specs, tables)]))
         results[how] = logits, latents, steps[:len(specs)]
@@ -209,113 +218,115 @@ def test_one_prefill_pass_of_several_sequences_matches_each_computed_alone(tiny)
     for want, got in zip(alone_latents, batched_latents):
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-2 * np.abs(want).max())
     np.testing.assert_allclose(batched_steps, alone_steps, atol=1e-4 * np.abs(alone_steps).max())
-    paged = PagedRunner(served, cfg, LatentPool(cfg, 64, 64), chunk_tokens=64)
     with pytest.raises(ValueError, match="tiles do not fit one pass"):
-        paged.prefill_segments([Segment(prompt(1, 192), 0, [1, 2, 3])] * 3)
+        paged.prefill([Segment(prompt(1, 192), 0, [1, 2, 3])] * 3)
     assert not paged.batchable(256, 256)  # a long segment computes alone (faster there)
 
 
-@pytest.mark.parametrize("page", [16, 64])
-def test_the_cpu_kernels_in_the_paged_runner_match_xlas_path_alone_and_in_one_pass(page):
-    """Latent widths our prefill attention kernel takes (tiny's 48 is not). Pages of 64 tokens: the kernel reads
-    the pages in place, a pass's tiles in one call; of 16: over gathered views, a pass of several sequences under
-    vmap (each tile's projections are 16 rows: the few-row kernel). Logits alone and in one pass, and the next
-    decode step, within bfloat16 tolerance of XLA's path."""
+def amx_backend_options() -> dict:
     from model import cpu_kernels
     if not cpu_kernels.prefill_attention_available():
         pytest.skip("the prefill attention kernel needs AMX")
+    return {}
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_the_cpu_kernels_in_the_runner_match_xlas_path_alone_and_in_one_pass(page):
+    """Latent widths our prefill attention kernel takes (tiny's 48 is not). Pages of 64 tokens: the cpu backend's
+    kernel reads the pages in place, a pass's tiles in one call; of 16 it cannot (xla's form over gathered views).
+    Logits alone and in one pass, and the next decode step, within bfloat16 tolerance of the xla backend."""
+    amx_backend_options()
     cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
     checkpoint = init_model(cfg)
-    models = {"kernels": serving_model(checkpoint, "bfloat16"),
-              "xla": serving_model(checkpoint, "bfloat16", few_row_kernel=False, prefill_kernel=False)}
-    assert models["kernels"].layers[0].attn.prefill_kernel and models["kernels"].head.lm_head.few_rows
+    models = {"cpu": serving_model(checkpoint, "bfloat16"),
+              "xla": serving_model(checkpoint, "bfloat16", few_row_kernel=False)}
     specs = [(40, 0), (20, 48), (16, 100)]  # (segment tokens, start)
     prompts = [prompt(60 + i, start + n) for i, (n, start) in enumerate(specs)]
     tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(specs))]
     out = {}
     for name, model in models.items():
-        paged = PagedRunner(model, cfg, LatentPool(cfg, 40, page), chunk_tokens=64)
-        assert paged.dense.prefill_kernel == (name == "kernels")
-        assert paged.prefill_reads_pages == (name == "kernels" and page == 64)
+        paged = runner(model, cfg, "bfloat16", pages=40, page=page, backend=name, chunk_tokens=64)
+        assert getattr(paged.backend, "prefill_kernel", False) == (name == "cpu" and page == 64)
         for p, (n, start), table in zip(prompts, specs, tables):
             if start:
-                paged.prefill(p[:start], 0, table, False)
-        alone = [np.asarray(paged.prefill(p[start:], start, table, True)) for p, (n, start), table in
-                 zip(prompts, specs, tables)]
-        together = np.asarray(paged.prefill_segments([Segment(p[start:], start, table) for p, (n, start), table in
-                                                      zip(prompts, specs, tables)]))[:len(specs)]
+                paged.prefill([Segment(p[:start], 0, table)], want_logits=False).run()
+        segments = [Segment(p[start:], start, table) for p, (n, start), table in zip(prompts, specs, tables)]
+        alone = [logits_of(paged, [segment])[0] for segment in segments]
+        together = logits_of(paged, segments)[:len(specs)]
         step = np.asarray(paged.decode([DecodeRow(int(np.argmax(row)), start + n, table)
                                         for row, (n, start), table in zip(alone, specs, tables)]))[:len(specs)]
         out[name] = np.stack(alone), together, step
-    for got, want in zip(out["kernels"], out["xla"]):
+    for got, want in zip(out["cpu"], out["xla"]):
         np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max())
 
 
 def test_prefill_reading_pages_in_place_gives_the_logits_of_gathered_views():
-    """The same model and pool, prefill attention read in place (the default on a CPU with AMX) against the same
-    kernel over gathered views: a sequence's segment of several chunks (each chunk's own causal view, a table
-    wider than its valid rows), a one-token segment, and a pass of several sequences' segments."""
-    from model import cpu_kernels
-    if not cpu_kernels.prefill_attention_available():
-        pytest.skip("the prefill attention kernel needs AMX")
+    """The same model and pool, prefill attention read in place by the cpu backend's kernel (the default on a CPU
+    with AMX) against xla's form over gathered views (the kernel off): a sequence's segment of several chunks (a
+    table wider than its valid rows), a one-token segment, and a pass of several sequences' segments."""
+    amx_backend_options()
     cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
     model = serving_model(init_model(cfg), "bfloat16")
-    pool = LatentPool(cfg, 64, 64)
-    runners = {"pages": PagedRunner(model, cfg, pool, chunk_tokens=64),
-               "views": PagedRunner(model, cfg, pool, chunk_tokens=64, prefill_in_place=False)}
-    assert runners["pages"].prefill_reads_pages and not runners["views"].prefill_reads_pages
+    runners = {"pages": runner(model, cfg, "bfloat16", backend="cpu", chunk_tokens=64),
+               "views": runner(model, cfg, "bfloat16", backend="cpu", chunk_tokens=64,
+                               backend_options={"prefill_kernel": False})}
+    runners["views"].pool = runners["pages"].pool  # each writes the same latents into the same pages
     p = prompt(7, 700)
     out = {}
-    for name, runner in runners.items():  # each writes the same latents into the same pages
-        runner.prefill(p[:100], 0, list(range(1, 13)), False)
-        long = runner.prefill(p[100:400], 100, list(range(1, 13)), True)  # chunks of 64 up to 400, views per chunk
-        one = runner.prefill(p[400:401], 400, list(range(1, 13)), True)
+    for name, paged in runners.items():
+        paged.prefill([Segment(p[:100], 0, list(range(1, 13)))], want_logits=False).run()
+        long = logits_of(paged, [Segment(p[100:400], 100, list(range(1, 13)))])  # chunks of 64 up to 400
+        one = logits_of(paged, [Segment(p[400:401], 400, list(range(1, 13)))])
         segments = [Segment(p[401:441], 401, list(range(1, 13))), Segment(p[:50], 0, list(range(20, 22)))]
-        out[name] = [np.asarray(long), np.asarray(one), np.asarray(runner.prefill_segments(segments))[:2]]
+        out[name] = [long, one, logits_of(paged, segments)[:2]]
     for got, want in zip(out["pages"], out["views"]):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    with pytest.raises(ValueError, match="in place was asked for"):
-        PagedRunner(model, cfg, LatentPool(cfg, 8, 16), prefill_in_place=True)
+    with pytest.raises(ValueError, match="prefill kernel was asked for"):
+        make_backend("cpu", cfg, "cpu", "bfloat16", page_tokens=16, prefill_kernel=True)
+
+
+def run_passes(paged: Runner, passes, table_d: list[int], sliced: bool) -> tuple[list, list]:
+    """Each pass run whole then as many decode steps of another sequence as it has units, or a unit at a time with
+    a decode step after each: (each pass's result, the decode steps' logits)."""
+    results, steps, position = [], [], 100
+    for run in passes:
+        units = run.units
+        while run.done < units:
+            run.step()
+            if sliced:
+                steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
+                position += 1
+        results.append(np.asarray(run.result))
+        if not sliced:
+            for _ in range(units):
+                steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
+                position += 1
+    return results, steps
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bits(tiny, dtype):
-    """PagedRunner.prefill_layers / prefill_segments_layers with another sequence's decode step dispatched after
-    every unit (a layer's chunk; a layer of a pass of several segments), as the engine slices a long-context pass
-    between steps, against the pass run whole and as many decode steps after it: the same logits and latents,
-    bit for bit, for both."""
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bits(tiny, dtype, backend):
+    """A pass run a unit at a time (a layer's chunk; a layer of a pass of several segments) with another sequence's
+    decode step dispatched after every unit, as the engine slices a long-context pass between steps, against the
+    pass run whole and as many decode steps after it: the same logits and latents, bit for bit."""
     cfg = tiny.config
     served = serving_model(tiny.model, dtype)
     p, q, d = prompt(60, 300), prompt(61, 90), prompt(62, 100)
     table_p, table_q, table_d = list(range(1, 7)), list(range(7, 9)), list(range(9, 12))
     out = {}
     for how in ("whole", "sliced"):
-        pool = LatentPool(cfg, 16, 64)
-        paged = PagedRunner(served, cfg, pool, chunk_tokens=64)
-        paged.prefill(p[:64], 0, table_p, False)
-        paged.prefill(d, 0, table_d, False)
-        passes = [paged.prefill_layers(p[64:], 64, table_p, True),  # four chunks
-                  paged.prefill_segments_layers([Segment(p[:40], 0, table_q), Segment(q[:90], 0, [13, 14])])]
-        units = [paged.prefill_units(236, 300), cfg.num_layers]
-        assert units[0] == cfg.num_layers * (4 + (not paged.prefill_absorbed(236, 300)))
-        steps, results, position = [], [], 100
-        for layers, count in zip(passes, units):
-            if how == "whole":
-                results.append(np.asarray(run_layers(layers)))
-                for _ in range(count):
-                    steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
-                    position += 1
-                continue
-            while True:
-                try:
-                    next(layers)
-                except StopIteration as done:
-                    results.append(np.asarray(done.value))
-                    break
-                steps.append(np.asarray(paged.decode([DecodeRow(5, position, table_d)])))
-                position += 1
-        latents = [np.asarray(pool.host(read)) for table in (table_p, table_q, [13, 14], table_d)
-                   for read in pool.read(table)]
+        paged = runner(served, cfg, dtype, pages=16, backend=backend, chunk_tokens=64)
+        paged.prefill([Segment(p[:64], 0, table_p)], want_logits=False).run()
+        paged.prefill([Segment(d, 0, table_d)], want_logits=False).run()
+        passes = [paged.prefill([Segment(p[64:], 64, table_p)]),  # four chunks
+                  paged.prefill([Segment(p[:40], 0, table_q), Segment(q[:90], 0, [13, 14])])]
+        assert passes[0].units == paged.prefill_units([(236, 300)]) == cfg.num_layers * (
+            4 + paged._form(236, 300).context_unit)
+        assert passes[1].units == paged.prefill_units([(40, 40), (90, 90)]) == cfg.num_layers
+        results, steps = run_passes(paged, passes, table_d, how == "sliced")
+        latents = [np.asarray(paged.pool.host(read)) for table in (table_p, table_q, [13, 14], table_d)
+                   for read in paged.pool.read(table)]
         out[how] = results, steps, latents
     for got, want in zip(*(out[how] for how in ("sliced", "whole"))):
         assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
@@ -328,31 +339,16 @@ def run_whole_and_sliced(cfg, checkpoint, form: str, kernel: bool) -> dict:
     table_p, table_d = list(range(1, 8)), list(range(9, 11))
     out = {}
     for how in ("whole", "sliced"):
-        model = serving_model(checkpoint, "bfloat16", prefill_kernel=kernel)
-        pool = LatentPool(cfg, 16, 64)
-        paged = PagedRunner(model, cfg, pool, chunk_tokens=64)
-        paged.dense.attention = form
-        assert paged.prefill_expands_pages == kernel
-        paged.prefill(p[:64], 0, table_p, False)
-        paged.prefill(d, 0, table_d, False)
-        units = paged.prefill_units(336, 400)
+        model = serving_model(checkpoint, "bfloat16")
+        paged = runner(model, cfg, "bfloat16", pages=16, backend="cpu", form=form, chunk_tokens=64,
+                       backend_options={"prefill_kernel": kernel})
+        paged.prefill([Segment(p[:64], 0, table_p)], want_logits=False).run()
+        paged.prefill([Segment(d, 0, table_d)], want_logits=False).run()
+        run = paged.prefill([Segment(p[64:], 64, table_p)])
         # 336 tokens: 5 chunks of 64, 16; in the expanded form one more unit per layer (its keys and values)
-        assert units == cfg.num_layers * (6 + (form == "expanded"))
-        layers, steps, dispatched = paged.prefill_layers(p[64:], 64, table_p, True), [], 0
-        if how == "sliced":
-            while True:
-                try:
-                    next(layers)
-                except StopIteration as done:
-                    logits = np.asarray(done.value)
-                    break
-                dispatched += 1
-                steps.append(np.asarray(paged.decode([DecodeRow(5, 100 + len(steps), table_d)])))
-            assert dispatched == units
-        else:
-            logits = np.asarray(run_layers(layers))
-            steps = [np.asarray(paged.decode([DecodeRow(5, 100 + i, table_d)])) for i in range(units)]
-        latents = [np.asarray(pool.host(read)) for table in (table_p, table_d) for read in pool.read(table)]
+        assert run.units == paged.prefill_units([(336, 400)]) == cfg.num_layers * (6 + (form == "expanded"))
+        (logits,), steps = run_passes(paged, [run], table_d, how == "sliced")
+        latents = [np.asarray(paged.pool.host(read)) for table in (table_p, table_d) for read in paged.pool.read(table)]
         out[how] = logits, steps, latents
     (logits, steps, latents), (want_logits, want_steps, want_latents) = out["sliced"], out["whole"]
     assert np.array_equal(logits, want_logits) and len(steps) == len(want_steps)
@@ -363,12 +359,10 @@ def run_whole_and_sliced(cfg, checkpoint, form: str, kernel: bool) -> dict:
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
 def test_a_kernel_pass_in_place_is_sliced_by_chunks_and_matches_xlas_path(form):
     """With the CPU's prefill kernel reading the pages in place (widths it takes in both forms), a segment's units
-    are its chunks of every layer, and in the expanded form each layer's keys and values (`prefill_units`): run a
-    unit at a time with another sequence's decode step after each, its logits and latents are bit for bit those
-    of the pass run whole; and within bfloat16 tolerance of XLA's path (the kernel off) in the same form."""
-    from model import cpu_kernels
-    if not cpu_kernels.prefill_attention_available():
-        pytest.skip("the prefill attention kernel needs AMX")
+    are its chunks of every layer, and in the expanded form each layer's keys and values: run a unit at a time with
+    another sequence's decode step after each, its logits and latents are bit for bit those of the pass run whole;
+    and within bfloat16 tolerance of xla's path (the kernel off) in the same form."""
+    amx_backend_options()
     cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
     checkpoint = init_model(cfg)
     kernel, xla = run_whole_and_sliced(cfg, checkpoint, form, True), run_whole_and_sliced(cfg, checkpoint, form, False)
@@ -386,72 +380,34 @@ def test_a_pass_over_gathered_views_is_sliced_by_chunks_too(form):
 
 
 @pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_a_sequences_segments_over_views_expand_only_their_new_rows_into_what_it_kept(tiny, dtype, tolerance):
-    """Over gathered views in the expanded form, a segment given its sequence (`context`) and `keep` keeps every
-    layer's keys and values; the sequence's next segment expands only the rows computed since (an absorbed
-    segment's between included) into them. Its logits are those of the segments each expanding its whole view,
-    and of the prompt in one pass; the kept keys and values are the whole view's expansion; what is kept is
-    dropped by the last segment, by `forget`, and when another context or other pages come."""
+def test_a_sequences_segments_in_either_form_give_the_logits_of_one_pass(tiny, dtype, tolerance):
+    """A prompt computed as segments of both attention forms (each reading what the ones before wrote into its
+    pages) gives the logits of the prompt in one pass, expanded or absorbed, and of the reference forward."""
     cfg = tiny.config
     p, table = prompt(90, 700), list(range(1, 13))
     cuts = [(0, 130, "expanded"), (130, 300, "expanded"), (300, 340, "absorbed"), (340, 520, "expanded"),
             (520, 700, "expanded")]
+    served = serving_model(tiny.model, dtype)
     runs = {}
-    for how in ("kept", "each view", "one pass"):
-        paged = PagedRunner(serving_model(tiny.model, dtype), cfg, LatentPool(cfg, 16, 64), chunk_tokens=128,
-                            prefill_in_place=False)
-        seq = object()
-        if how == "one pass":
-            paged.dense.attention = "expanded"
-            runs[how] = np.asarray(paged.prefill(p, 0, table, True))
-            continue
-        for start, end, form in cuts:
-            paged.dense.attention = form
-            last = end == len(p)
-            context = seq if how == "kept" else None
-            logits = paged.prefill(p[start:end], start, table, last, context, keep=not last)
-            kept = paged._kept.get(id(seq))
-            if how == "kept" and not last:
-                assert kept is not None and kept.end == (start if form == "absorbed" else end)
-                if start == 340:  # the kept rows [0, 520) against the whole view expanded at once
-                    calls, view = paged._layer_calls[1], 576
-                    whole = calls.dense.expand(paged.pool.layers[1].reshape(-1, cfg.latent_dim)[
-                        np.concatenate([np.arange(64) + 64 * page for page in table[:9]])], view)
-                    for got, want in zip(kept.layers[1], whole):
-                        got, want = np.asarray(got[:, :520], np.float32), np.asarray(want[:, :520], np.float32)
-                        np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max())
-            else:
-                assert kept is None
-        runs[how] = np.asarray(logits)
-        assert not paged._kept
-    for how in ("each view", "one pass"):
-        np.testing.assert_allclose(runs["kept"], runs[how], atol=tolerance * np.abs(runs[how]).max())
-    # The next segment reads what was kept: kept rows zeroed, its logits change.
-    paged.dense.attention = "expanded"
-    outs = []
-    for zeroed in (False, True):
-        paged.prefill(p[:130], 0, table, False, seq, keep=True)
-        if zeroed:
-            kept = paged._kept[id(seq)]
-            paged._kept[id(seq)] = kept._replace(layers=[tuple(jnp.zeros_like(x) for x in kv) for kv in kept.layers])
-        outs.append(np.asarray(paged.prefill(p[130:200], 130, table, True, seq)))
-    assert not np.allclose(*outs, atol=1e-3 * np.abs(outs[0]).max())
-    # Another context, other pages, or `forget`: nothing kept is used, and it is gone.
-    for other, pages in ((object(), table), (seq, list(range(13, 16)) + table[3:])):
-        paged.prefill(p[:130], 0, table, False, seq, keep=True)
-        assert paged._kept[id(seq)].end == 130
-        paged.prefill(p[130:200], 130, pages, False, other, keep=False)
-        assert (id(seq) in paged._kept) == (other is not seq)
-        paged.forget(seq)
-        assert not paged._kept
+    for form in ("expanded", "absorbed"):
+        runs[f"one pass, {form}"] = logits_of(runner(served, cfg, dtype, pages=16, form=form, chunk_tokens=128),
+                                              [Segment(p, 0, table)])[0]
+    paged = runner(served, cfg, dtype, pages=16, chunk_tokens=128)
+    for start, end, form in cuts:
+        paged.form = form
+        assert paged._form(end - start, end).name == form
+        logits = paged.prefill([Segment(p[start:end], start, table)], want_logits=end == len(p)).run()
+    runs["segments"] = np.asarray(logits)[0]
+    want = reference.prompt_logits(served, p)[-1]
+    for how, got in runs.items():
+        np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max(), err_msg=how)
 
 
 async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is_cancelled_or_preempted(tiny, tmp_path):
-    """Engine steps driven by hand (no model thread): a segment given a budget smaller than one unit's cost runs
+    """Engine plans executed by hand (no model thread): a segment given a budget smaller than one unit's cost runs
     one unit (a layer's chunk) a step and stays in flight; finished that way, its first token and logits are those
-    of the same
-    segment run whole. Cancelled mid-pass, or preempted by a decoding sequence that needs a page, it closes
-    the pass: no layer more is dispatched, nothing is counted computed, every page is free or owned once."""
+    of the same segment run whole. Cancelled mid-pass, or preempted by a decoding sequence that needs a page, it
+    closes the pass: no unit more is dispatched, nothing is counted computed, every page is free or owned once."""
     cfg = engine_config(tmp_path, pool_tokens=64 * 16)
     loaded = tiny
     L = loaded.config.num_layers
@@ -459,7 +415,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     def engine() -> Engine:
         e = Engine(loaded, cfg, CacheLink(cfg, CacheGeometry(L, loaded.config.latent_dim, 64, loaded.config.cache_dtype),
                                           loaded.fingerprint), EngineMetrics())
-        e.warm_up()  # seeds the prefill cost: a sliced pass predicts its layers' time from it
+        e.warm_up()  # seeds the prefill cost: a sliced pass predicts its units' time from it
         e.loop = asyncio.get_running_loop()
         return e
 
@@ -469,8 +425,8 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
         seq = Sequence(job, 0, asyncio.Queue(), e.loop, tokens=[int(t) for t in tokens], hashes=[])
         e._count(waiting=1)
         e.scheduler.add(seq)
-        for admission in e.scheduler.admit():
-            e._admitted(admission)
+        for admitted_seq, memory in e.scheduler.admit():
+            e._admitted(admitted_seq, memory)
         assert seq.status is Status.RUNNING
         return seq
 
@@ -484,110 +440,100 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     long = prompt(70, 300)
     whole = engine()
     seq = admitted(whole, long)
-    whole._step(Step([], [(seq, 300)]))
+    whole._execute(Plan([], [[(seq, 300)]]))
     want = await first_token(seq)
 
     e = engine()
     slices = e.metrics.prefill_slices
     seq = admitted(e, long)
-    e._step(Step([], [], (seq, 300), slice_s=1e-9))
-    units = e.runner.prefill_units(300, 300)
-    assert units >= L and e._pass is not None and slices._value.get() == 1 and seq.computed == 0
+    e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
+    units = e.runner.prefill_units([(300, 300)])
+    assert units >= L and len(e._flights) == 1 and slices._value.get() == 1 and seq.computed == 0
     for _ in range(units - 1):  # one unit a step; the head goes with the last
-        assert e._pass is not None
-        e._step(Step([], [], slice_s=1e-9))
-    assert e._pass is None and slices._value.get() == units and seq.computed == 300
+        assert e._flights
+        e._execute(Plan([], [], slice_s=1e-9))
+    assert not e._flights and slices._value.get() == units and seq.computed == 300
     assert await first_token(seq) == want  # the same token, and the same logits' digest
 
     e = engine()  # a short prompt's segment runs whole beside the sliced pass: its first token comes at once
     seq, short = admitted(e, long), admitted(e, prompt(72, 40))
-    e._step(Step([], [(short, 40)], (seq, 300), slice_s=1e-9))
-    assert e._pass is not None and short.computed == 40 and short.generated == 1 and seq.computed == 0
-    while e._pass is not None:
-        e._step(Step([], [], slice_s=1e-9))
+    e._execute(Plan([], [[(short, 40)]], (seq, 300), slice_s=1e-9))
+    assert e._flights and short.computed == 40 and short.generated == 1 and seq.computed == 0
+    while e._flights:
+        e._execute(Plan([], [], slice_s=1e-9))
     assert seq.computed == 300 and seq.generated == 1
 
     e = engine()
     seq = admitted(e, long)
-    e._step(Step([], [], (seq, 300), slice_s=1e-9))
-    assert e._pass is not None  # one unit in
+    e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
+    assert e._flights  # one unit in
     e._cancel(seq)
-    assert e._pass is None and e.metrics.prefill_aborted._value.get() == 1
+    assert not e._flights and e.metrics.prefill_aborted._value.get() == 1
     assert seq.computed == 0 and e.metrics.prefill_tokens.labels("computed")._value.get() == 0
-    assert e.pages.owned_pages == 0
-    e.pages.check([])
+    assert e.blocks.owned_pages == 0
+    e.blocks.check([])
 
     e = engine()
     decoding = admitted(e, prompt(71, 63))  # its second token needs a second page
-    e._step(Step([], [(decoding, 63)]))
-    e._step(Step([decoding], []))
+    e._execute(Plan([], [[(decoding, 63)]]))
+    e._execute(e.scheduler.schedule())  # its first decode step
     seq = admitted(e, long)
-    e._step(Step([], [], (seq, 300), slice_s=1e-9))
-    assert e._pass is not None
-    filler = e.pages.allocate(e.pages.available())  # the pool is full: the youngest (in the pass) is preempted
-    e._step(Step([decoding], [], slice_s=1e-9))
-    assert e._pass is None and e.metrics.prefill_aborted._value.get() == 1 and e.metrics.preemptions._value.get() == 1
+    e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
+    assert e._flights
+    filler = e.blocks.allocate(e.blocks.available())  # the pool is full: the youngest (in the pass) is preempted
+    plan = e.scheduler.schedule(None, [seq], slicing=True)
+    assert plan.preempted == (seq,) and plan.decoding == [decoding]
+    e._execute(plan._replace(slice_s=1e-9))
+    assert not e._flights and e.metrics.prefill_aborted._value.get() == 1 and e.metrics.preemptions._value.get() == 1
     assert seq.status is Status.WAITING and seq.computed == 0 and not seq.pages
     assert decoding.computed == 65 and len(decoding.pages) == 2
-    e.pages.release(filler)
-    e.pages.check([decoding.pages])
-
-    # Over gathered views in the expanded form, a prompt's segment keeps its keys and values for the next one
-    # (PagedRunner's `keep`); its last segment, or a cancellation (as a preemption, it closes the sequence's pass),
-    # drops them.
-    for end in ("last segment", "cancelled"):
-        e = engine()
-        e.runner.dense.attention = "expanded"
-        seq = admitted(e, long)
-        e._step(Step([], [(seq, 128)]))
-        assert seq.computed == 128 and (id(seq) in e.runner._kept) == (not e.runner.prefill_reads_pages)
-        if end == "last segment":
-            e._step(Step([], [(seq, 172)]))
-            assert seq.computed == 300 and seq.generated == 1
-        else:
-            e._cancel(seq)
-        assert not e.runner._kept
+    e.blocks.release(filler)
+    e.blocks.check([decoding.pages])
 
 
 @pytest.mark.parametrize("dtype, path, tolerance", [("bfloat16", "auto", 3e-2), ("float32", "float32", 1e-4)])
-def test_decode_attention_takes_the_kernel_path_of_the_serving_dtype_and_matches_the_gathered_view(dtype, path,
-                                                                                                    tolerance):
+def test_decode_attention_takes_the_kernel_path_of_the_serving_dtype_and_matches_xla(dtype, path, tolerance):
     """Pages of 64 tokens at widths in whole 32s: bfloat16 serving takes the kernel's best path (AMX where the CPU
-    has it: queries and weights rounded to bfloat16, as the view path rounds them), float32 serving its float32
-    path, whose logits agree with the gathered view's to float32 rounding."""
+    has it: queries and weights rounded to bfloat16, as xla's path rounds them), float32 serving its float32 path,
+    whose logits agree with the xla backend's to float32 rounding."""
     cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
     model = serving_model(init_model(cfg), dtype)
     specs = [(70, 0), (130, 1), (200, 2)]  # (context, sequence)
     logits = {}
-    for kernel in (True, False):
-        paged = PagedRunner(model, cfg, LatentPool(cfg, 16, 64), decode_kernel=kernel)
-        assert paged.decode_kernel_path == path
+    for backend in ("cpu", "xla"):
+        paged = runner(model, cfg, dtype, pages=16, backend=backend, backend_options={"decode_kernel": True}
+                       if backend == "cpu" else None)
+        assert backend == "xla" or paged.backend.decode_path == path
         tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(specs))]
         for context, i in specs:
-            paged.prefill(prompt(80 + i, context), 0, tables[i], False)
-        logits[kernel] = np.asarray(paged.decode([DecodeRow(5 + i, context, tables[i]) for context, i in specs]))
-    want = logits[False][:len(specs)]
-    np.testing.assert_allclose(logits[True][:len(specs)], want, atol=tolerance * np.abs(want).max())
+            paged.prefill([Segment(prompt(80 + i, context), 0, tables[i])], want_logits=False).run()
+        logits[backend] = np.asarray(paged.decode([DecodeRow(5 + i, context, tables[i]) for context, i in specs]))
+    want = logits["xla"][:len(specs)]
+    np.testing.assert_allclose(logits["cpu"][:len(specs)], want, atol=tolerance * np.abs(want).max())
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
-def test_a_steps_short_segments_share_passes_by_context_and_long_ones_go_alone(tiny, tmp_path, invariant):
-    """Engine._prefill_passes: short segments packed in order of where they end, up to MAX_PASS_TILES tiles a
-    pass (a pass's tiles all loop over as many key blocks as its longest one's); a segment too long to batch
-    alone; every segment in exactly one pass. In batch-invariant mode every segment goes alone, in order."""
-    runner = PagedRunner(serving_model(tiny.model, "float32"), tiny.config, LatentPool(tiny.config, 8, 64))
-    engine = SimpleNamespace(cfg=engine_config(tmp_path, "", batch_invariant=invariant), runner=runner, B=64)
+def test_a_steps_short_segments_share_passes_by_context_and_long_ones_go_alone(tiny, invariant):
+    """The plan's passes: short segments packed in order of where they end, up to MAX_PASS_TILES tiles a pass (a
+    pass's tiles all loop over as many key blocks as its longest one's); a segment too long to batch, or of a
+    sequence loading a disk hit, alone; every segment in exactly one pass. In batch-invariant mode every segment
+    goes alone, in order."""
+    shapes = runner(serving_model(tiny.model, "float32"), tiny.config, "float32", pages=8)
+    scheduler = Scheduler(BlockManager(8, 64, ""), SchedulePolicy(64, 8, 256, 2048, invariant, 2.0), shapes)
     ends = [1900, 100, 1500, 300, 700, 64, 1200, 900, 2000, 500]
     segments = [(Sequence(None, 0, None, None, computed=end - 64), 64) for end in ends]
     segments.insert(3, (Sequence(None, 0, None, None, computed=100), 512))  # too long to batch
-    passes = Engine._prefill_passes(engine, segments)
+    loading = Sequence(None, 0, None, None, computed=640)
+    loading.load = object()  # (a disk hit being read)
+    segments.append((loading, 64))
+    passes = scheduler._passes(segments)
     assert sorted(id(seq) for group in passes for seq, _ in group) == sorted(id(seq) for seq, _ in segments)
     if invariant:
         assert passes == [[item] for item in segments]
         return
-    assert passes[-1] == [segments[3]] and all(len(group) <= MAX_PASS_TILES for group in passes[:-1])
-    packed = [seq.computed + n for group in passes[:-1] for seq, n in group]
-    assert packed == sorted(ends) and [len(group) for group in passes[:-1]] == [8, 2]
+    assert passes[-2:] == [[segments[3]], [segments[-1]]] and all(len(group) <= MAX_PASS_TILES for group in passes)
+    packed = [seq.computed + n for group in passes[:-2] for seq, n in group]
+    assert packed == sorted(ends) and [len(group) for group in passes[:-2]] == [8, 2]
 
 
 @pytest.mark.parametrize("kind", ["miss", "memory", "disk"])
@@ -678,7 +624,7 @@ async def test_a_disconnect_mid_prefill_frees_its_pages_and_computes_nothing_mor
         await asyncio.sleep(0.3)
         assert computed._value.get() == stopped_at < 8000
         assert run.metrics.requests.labels("cancelled")._value.get() == 1
-        assert run.engine.pages.owned_pages == 0
+        assert run.engine.blocks.owned_pages == 0
         run.check_pages()
         # A disk hit cancelled while it loads reads nothing more and recomputes nothing.
         p = prompt(401, 640)
@@ -717,7 +663,7 @@ async def test_pool_accounting_after_a_mix_of_requests_cancellations_and_preempt
         await asyncio.gather(*(one(i) for i in range(24)))
         await run.idle()
         run.check_pages()
-        assert run.engine.pages.owned_pages == 0
+        assert run.engine.blocks.owned_pages == 0
         assert run.metrics.preemptions._value.get() >= 1
         assert run.metrics.prefix_hit_tokens.labels("memory")._value.get() > 0
 
@@ -727,7 +673,7 @@ async def test_an_answer_that_outgrows_the_pool_is_cut_with_length_not_refused(t
     finished with "length"; a prompt that alone does not fit is refused (TooLarge)."""
     cfg = engine_config(tmp_path, pool_tokens=64 * 5, max_batch=2)
     async with Running(tiny, cfg) as run:
-        usable = run.engine.pages.usable * cfg.block_tokens
+        usable = run.engine.blocks.usable * cfg.block_tokens
         ids, _, done = await run.generate(run.job(prompt(7, usable - 20), max_tokens=500, digest=False))
         # every pool slot holds a latent (the prompt's and 20 answer tokens'); the 21st token needs none
         assert done["finish_reason"] == "length" and len(ids) == 21, (len(ids), done)
@@ -739,47 +685,49 @@ async def test_an_answer_that_outgrows_the_pool_is_cut_with_length_not_refused(t
 
 @pytest.mark.parametrize("rows", [1, 16, 40])
 def test_decodes_absorbed_products_per_head_take_the_few_row_kernel_where_the_rows_allow(rows):
-    """W_UK and W_UV per head (mini's widths), as a decode step calls them: by the few-row kernel up to its rows
-    (32 with AMX), past them by XLA with the same rounding of the rows to bfloat16; both the float64 product of
-    the rounded rows within float32 summation. Without the kernel, XLA's float32 product of the rows as given."""
+    """W_UK and W_UV per head (mini's widths), as a decode step calls them: by the cpu backend's few-row kernel up to
+    its rows (32 with AMX, AVX-512 or AVX2), past them by XLA with the same rounding of the rows to bfloat16; both
+    the float64 product of the rounded rows within float32 summation. Without the kernel, XLA's float32 product of
+    the rows as given."""
     import jax.numpy as jnp
     from model import cpu_kernels
-    from model.paged_runner import _per_head
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((8, rows, 128)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((8, 512, 128)), jnp.bfloat16)
     rounded = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
     want = np.einsum("nbi,noi->nbo", rounded, np.asarray(w, np.float64))
+    cfg = preset("mini")
     if cpu_kernels.available("cpu")[0]:
-        got = np.asarray(_per_head(jnp.asarray(x), w, True))
+        got = np.asarray(make_backend("cpu", cfg, "cpu", "bfloat16", few_rows=True).per_head(jnp.asarray(x), w))
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
     exact = np.einsum("nbi,noi->nbo", x.astype(np.float64), np.asarray(w, np.float64))
-    got = np.asarray(_per_head(jnp.asarray(x), w.astype(jnp.float32), False))
+    plain = make_backend("cpu", cfg, "cpu", "bfloat16", few_rows=False, decode_kernel=False)
+    got = np.asarray(plain.per_head(jnp.asarray(x), w.astype(jnp.float32)))
     np.testing.assert_allclose(got, exact, atol=1e-5 * np.abs(exact).max(), rtol=0)
     assert not np.allclose(exact, want, atol=1e-5 * np.abs(exact).max(), rtol=0)  # the rounding shows
 
 
-def test_mini_decode_is_batch_invariant_and_matches_the_dense_runner():
-    """The mini preset's real widths (8 heads, 512 + 64 latent, 129K vocab), in-process: in batch-invariant
-    mode a sequence's decode logits are bit-identical alone or among 15 others of different lengths; in
-    the default mode a batch's logits agree with the dense runner over the same bfloat16-served model."""
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_mini_decode_is_batch_invariant_and_matches_the_reference(backend):
+    """The mini preset's real widths (8 heads, 512 + 64 latent, 129K vocab), in-process, on each backend (both
+    claim batch invariance): in batch-invariant mode a sequence's decode logits are bit-identical alone or among
+    15 others of different lengths; and they agree with the reference forward over the same bfloat16-served
+    model."""
     cfg = preset("mini")
     model = serving_model(init_model(cfg), "bfloat16")  # as the engine serves it
     lengths = [40 + 23 * i for i in range(16)]
     tables = [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(16)]  # 7 pages = 448 tokens each
-    pool = LatentPool(cfg, 1 + 7 * 16, 64)
-    invariant = PagedRunner(model, cfg, pool, fixed_batch=16)
+    invariant = runner(model, cfg, "bfloat16", pages=1 + 7 * 16, backend=backend, fixed_batch=16)
+    assert invariant.backend.batch_invariant
     prompts = [prompt(300 + i, n) for i, n in enumerate(lengths)]
-    firsts = [int(np.argmax(np.asarray(invariant.prefill(p, 0, t, True)))) for p, t in zip(prompts, tables)]
+    firsts = [int(np.argmax(logits_of(invariant, [Segment(p, 0, t)])[0])) for p, t in zip(prompts, tables)]
     rows = [DecodeRow(tok, n, t) for tok, n, t in zip(firsts, lengths, tables)]
     together = np.asarray(invariant.decode(rows))
     for i in (0, 7, 15):
         alone = np.asarray(invariant.decode([rows[i]]))[0]
         assert np.array_equal(alone, together[i]), f"row {i}: logits differ alone vs among 16"
-    dense = ModelRunner(model, cfg)
     for i in (0, 15):
-        ref = dense.prefill(prompts[i], reserve=2)
-        want = dense.decode_step(firsts[i], ref.cache)
+        want = reference.prompt_logits(model, np.append(prompts[i], firsts[i]))[-1]
         # bfloat16 serving rounds every projection's input to 8 bits, so a different summation order of
         # attention can flip roundings downstream: ~1% of the largest logit here (float32 serving: 1e-4).
         np.testing.assert_allclose(together[i], want, atol=2e-2 * np.abs(want).max())

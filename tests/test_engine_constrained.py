@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
-from model.runner import ModelRunner
+from model import reference
 from model.sampling import SamplingParams, SamplingRow, argmax_tokens, sample_batch
 from model.serving import serving_model
 from services.engine.config import EngineConfig
@@ -136,14 +136,14 @@ async def test_a_preempted_grammar_sequence_keeps_its_grammar_state(tiny, tmp_pa
 async def test_logit_bias_penalties_and_logprobs_through_the_engine(tiny, tmp_path):
     p = prompt(5, 30)
     served = serving_model(tiny.model, EngineConfig().dtype)  # the engine's default serving dtype
-    logits_V = np.asarray(ModelRunner(served, tiny.config).prefill(p, reserve=8).logits, np.float32)
+    logits_V = reference.prompt_logits(served, p)[-1]
     logp_V = np.asarray(jax.nn.log_softmax(jnp.asarray(logits_V)))
     async with Running(tiny, engine_config(tmp_path, max_batch=1)) as run:
         tokens, _ = await collect(run, run.job(p, max_tokens=6, logit_bias=((777, 100.0),)))
         assert [t["id"] for t in tokens] == [777] * 6
         tokens, _ = await collect(run, run.job(p, max_tokens=1, logprobs=20))
         first = tokens[0]
-        # The model's own log-softmax (the dense runner's, to fp tolerance), before any shaping: the chosen
+        # The model's own log-softmax (the reference forward's, to fp tolerance), before any shaping: the chosen
         # (greedy) token leads the top 20, in descending order.
         assert first["id"] == first["top_logprobs"][0][0]
         assert first["logprob"] == pytest.approx(float(logp_V[first["id"]]), abs=1e-3)

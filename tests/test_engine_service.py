@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from kvstore import PrefixIndex, block_hashes, open_redis
 from model import cpu_kernels
-from model.runner import ModelRunner
+from model.reference import generate
 from model.serving import serving_model
 from model.sampling import SamplingParams
 from model.weights import load_model
@@ -78,14 +78,14 @@ async def _generate(url: str, job: dict) -> tuple[int, list[dict]]:
 def reference(engine):
     _, model_dir, _ = engine
     loaded = load_model(model_dir)
-    return loaded, ModelRunner(serving_model(loaded.model, "bfloat16"), loaded.config)  # as the engine serves it
+    return loaded, serving_model(loaded.model, "bfloat16")  # as the engine serves it
 
 
 async def test_miss_then_hit_through_the_index_gives_the_same_tokens(engine, reference):
     url, _, redis_url = engine
-    loaded, runner = reference
+    loaded, served = reference
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 129_280, 300)]
-    expected = list(runner.generate(np.array(tokens), SamplingParams(max_tokens=10)))
+    expected = generate(served, tokens, SamplingParams(max_tokens=10))
     job = {"tokens": tokens, "max_tokens": 10, "tenant_salt": SALT, "tenant": "t1"}
 
     status, events = await _generate(url, job)
@@ -230,7 +230,7 @@ async def test_full_queue_is_a_503_and_a_dropped_client_frees_its_slot(engine):
             await asyncio.sleep(0.1)
         assert stats["in_flight"] == 0 and stats["waiting"] == 0
         # this machine has a compiler: pages read in place, where the CPU has AVX-512, AMX, or AVX2 and FMA
-        assert stats["decode_attention"] == ("cpu-kernel" if cpu_kernels.decode_serves() else "xla-view")
+        assert stats["attention_backend"] == ("cpu" if cpu_kernels.decode_serves() else "xla")
 
 
 async def test_everything_but_health_needs_the_service_token(engine):

@@ -6,8 +6,8 @@ import pytest
 from kvstore import miss
 from model.sampling import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.pool import PagePool
-from services.engine.scheduler import SLICED_STEPS, SchedulePolicy, Scheduler, Step, decode_cut
+from services.engine.block_manager import BlockManager
+from services.engine.scheduler import SLICED_STEPS, SchedulePolicy, Scheduler, decode_cut
 from services.engine.sequence import Job, Sequence
 from services.engine.step_cost import DecodeCost, DispatchCost, PrefillCost, StepCost
 
@@ -39,7 +39,7 @@ def scheduler(**policy) -> Scheduler:
     settings = {"block_tokens": 64, "max_batch": 8, "step_tokens": 256, "solo_tokens": 2048,
                 "batch_invariant": False,
                 "prefill_step_ratio": 2.0} | policy
-    return Scheduler(PagePool(2048), SchedulePolicy(**settings))
+    return Scheduler(BlockManager(2048, 64, ""), SchedulePolicy(**settings))
 
 
 def running(s: Scheduler, *prefill: tuple[int, int], decoding: int = 2) -> list[Sequence]:
@@ -48,9 +48,7 @@ def running(s: Scheduler, *prefill: tuple[int, int], decoding: int = 2) -> list[
         s.add(sequence(20 + i, generated=1))
     for prompt, _ in prefill:
         s.add(sequence(prompt))
-    for admission in s.admit():
-        seq = admission.seq
-        s.start_running(seq)
+    for seq, _ in s.admit():
         seq.computed = seq.target if seq.generated else seq.computed
     seqs = [seq for seq in s.running if seq.generated == 0]
     for seq, (_, computed) in zip(seqs, prefill):
@@ -105,7 +103,7 @@ def test_a_long_context_segment_gets_fewer_tokens_than_a_short_one():
     s = scheduler()
     short, long = running(s, (4000, 0), (20000, 16384))
     step = s.schedule(cost)
-    assert len(step.decode) == 2
+    assert len(step.decoding) == 2
     # At context 0, 256 tokens take 26 ms (512: 54 ms); at 16K, 128 take 34 ms (256: 67 ms). The long
     # one gets what is left of the 40 ms after the short one's 26: 64 tokens (17 ms) do not fit either.
     assert step.prefill == [(short, 256)]
@@ -188,11 +186,12 @@ def test_short_prompts_are_not_stuck_behind_a_sliced_pass():
     assert seq is short and cost.prefill_s(n, n) <= budget < cost.prefill_s(2 * n, 2 * n)
     assert step.sliced[0] is long and step.slice_s == pytest.approx(budget - cost.prefill_s(n, n))
     # While the pass is in flight: no segment for its sequence, the short one goes on, the pass gets the rest.
-    in_flight = s.schedule(cost, in_pass=[long])
-    assert in_flight.prefill == [(short, n)] and in_flight.sliced is None and len(in_flight.decode) == 2
+    in_flight = s.schedule(cost, in_flight=[long], slicing=True)
+    assert in_flight.prefill == [(short, n)] and in_flight.sliced is None and len(in_flight.decoding) == 2
     assert in_flight.slice_s == pytest.approx(budget - cost.prefill_s(n, n))
     # With no costs to size by, the pass in flight runs to its end before any other segment.
-    assert s.schedule(None, in_pass=[long]) == Step(in_flight.decode, [])
+    untimed = s.schedule(None, in_flight=[long], slicing=True)
+    assert untimed.prefill == [] and untimed.decoding == in_flight.decoding and untimed.sliced is None
 
 
 def test_of_sequences_that_need_a_sliced_pass_the_one_with_least_left_gets_it():
@@ -205,7 +204,7 @@ def test_of_sequences_that_need_a_sliced_pass_the_one_with_least_left_gets_it():
     long, short = running(s, (20000, 16384), (3000, 0))
     # The short one's rest: 0.3 s; the long one's: 1.08 s. A pass is sized to 32 budgets (128 ms): 1,024 tokens.
     assert s.schedule(cost).sliced == (short, 1024)
-    in_flight = s.schedule(cost, in_pass=[long])  # (as if the long one's pass were in flight)
+    in_flight = s.schedule(cost, in_flight=[long], slicing=True)  # (as if the long one's pass were in flight)
     assert in_flight.prefill == [] and in_flight.sliced is None
     short.computed = 1024  # its pass done: the next one is still its own
     assert s.schedule(cost).sliced == (short, 1024)
@@ -249,7 +248,7 @@ def test_a_ratio_that_is_not_positive_is_refused():
 
 
 def test_a_pass_of_several_segments_pays_the_per_pass_cost_once():
-    """Segments computed together in one pass (PagedRunner.prefill_segments) are fitted as their sum plus one
+    """Segments computed together in one pass (Runner.prefill of several) are fitted as their sum plus one
     d; segments measured alone and passes together recover the same terms."""
     c, d = 2e-7, 3e-3
     alone = lambda n, end: cost_of(n, end) + c * end  # noqa: E731 - the terms a segment brings to a pass
@@ -275,7 +274,7 @@ def test_sequences_waiting_for_their_first_token_get_more_of_a_step_when_they_ou
         s = scheduler(max_batch=16)
         seqs = running(s, *[(4000, 0)] * prefilling, decoding=decoding)
         step = s.schedule(cost)
-        assert len(step.decode) == decoding and step.prefill[0][0] is seqs[0]
+        assert len(step.decoding) == decoding and step.prefill[0][0] is seqs[0]
         budgets.append(sum(cost.prefill_s(n, seq.computed + n) for seq, n in step.prefill))
     assert budgets[0] <= 2 * 0.02 < budgets[1] <= 4 * 2 * 0.02 < budgets[2] <= 8 * 2 * 0.02
     assert budgets[2] > 4 * 2 * 0.02 * 0.75  # mostly spent, not a token budget in disguise
@@ -294,7 +293,7 @@ def dispatch_cost() -> DispatchCost:
 
 
 def shape(positions: list[int]) -> tuple[int, int]:
-    """As PagedRunner.decode_shape: batch to a power of two, views to eighths past 512 (rounded here to 256)."""
+    """As Runner.decode_shape (the xla backend's): batch to a power of two, views to eighths past 512 (rounded here to 256)."""
     batch = 1 << (len(positions) - 1).bit_length()
     return batch, max(512, -(-(max(positions) + 1) // 256) * 256)
 

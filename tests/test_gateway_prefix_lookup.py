@@ -12,7 +12,8 @@ from kvstore.location import BlockLocation, Hit, SegmentRun
 from services.gateway.engine_router import GenerationJob, engine_job_body
 from services.gateway.gateway_metrics import GatewayMetrics
 from services.gateway.openai_requests import Sampling
-from services.gateway.prefix_lookup import PrefixLookup, usable_blocks
+from kvstore import cacheable_blocks
+from services.gateway.prefix_lookup import PrefixLookup
 from services.gateway.tenants import Tenant, tenant_salt
 
 B = 64
@@ -34,7 +35,7 @@ async def publish(index: PrefixIndex, hashes: list[bytes]) -> None:
 @pytest.mark.parametrize("prompt, blocks", [(0, 0), (1, 0), (64, 0), (65, 1), (128, 1),
                                             (129, 2), (640, 9), (641, 10)])
 def test_at_least_one_prompt_token_is_left_to_prefill(prompt, blocks):
-    assert usable_blocks(prompt, B) == blocks
+    assert cacheable_blocks(prompt, B) == blocks
 
 
 @pytest.fixture

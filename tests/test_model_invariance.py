@@ -1,13 +1,18 @@
-"""Prefix latents + suffix prefill == full prefill; chunked == unchunked; absorbed == expanded (bf16 cache)."""
+"""Prefix latents + suffix prefill == full prefill; chunked == unchunked; absorbed == expanded (bf16 cache): the
+runner over the paged pool held to the reference forward (model/reference.py)."""
 import numpy as np
 import pytest
 
+from model import reference
+from model.attention import make_backend
 from model.config import preset
-from model.runner import LatentCache, ModelRunner
+from model.latent_pool import LatentPool
+from model.runner import DecodeRow, Runner, Segment
 from model.sampling import SamplingParams
 from model.weights import init_model
 
 PROMPT = 200
+TABLE = list(range(1, 6))  # 5 pages of 64: the prompt and 12 more tokens
 
 
 @pytest.fixture(scope="module")
@@ -16,13 +21,23 @@ def tiny():
     return cfg, init_model(cfg)
 
 
+def runner(cfg, model, **options) -> Runner:
+    return Runner(model, cfg, LatentPool(cfg, 8, 64), make_backend("auto", cfg, "cpu", "float32"), **options)
+
+
 @pytest.fixture(scope="module")
 def full(tiny):
     cfg, model = tiny
-    runner = ModelRunner(model, cfg)
     tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, PROMPT)
-    greedy = list(runner.generate(tokens, SamplingParams(max_tokens=12)))
-    return runner, tokens, runner.prefill(tokens), greedy
+    return tokens, reference.prompt_logits(model, tokens)[-1], reference.greedy_tokens(model, tokens, 12)
+
+
+def greedy(run: Runner, logits: np.ndarray, length: int, count: int) -> list[int]:
+    """`count` greedy tokens from a prompt's last logits, decoding over the runner's pages."""
+    out = [int(np.argmax(logits))]
+    while len(out) < count:
+        out.append(int(np.argmax(np.asarray(run.decode([DecodeRow(out[-1], length + len(out) - 1, TABLE)]))[0])))
+    return out
 
 
 def _close(a, b):
@@ -30,59 +45,71 @@ def _close(a, b):
 
 
 @pytest.mark.parametrize("split", [1, 17, 63, 64, 65, 100, 128, 191, 199])
-def test_suffix_on_prefix_latents_equals_full_prefill(full, split):
-    runner, tokens, reference, greedy = full
-    prefix = runner.prefill(tokens[:split])
+def test_suffix_on_prefix_latents_equals_full_prefill(tiny, full, split):
+    cfg, model = tiny
+    tokens, want, greedy_want = full
+    computed = runner(cfg, model)
+    computed.prefill([Segment(tokens[:split], 0, TABLE)], want_logits=False).run()
     # What a hit hands the engine: the stored latents of the prefix, layer by layer, as host arrays.
-    stored = [prefix.cache.latents(layer, 0, split) for layer in range(runner.cfg.num_layers)]
-    loaded = runner.prefill(tokens[split:], LatentCache(runner.cfg), start=split, load_prefix=stored.__getitem__)
-    assert _close(loaded.logits, reference.logits)
-    assert loaded.cache.length == PROMPT
-    for layer in range(runner.cfg.num_layers):
-        ours, theirs = loaded.cache.latents(layer, 0, PROMPT), reference.cache.latents(layer, 0, PROMPT)
+    stored = [computed.pool.host(read)[:split] for read in computed.pool.read(TABLE)]
+    whole = runner(cfg, model)
+    reference_logits = np.asarray(whole.prefill([Segment(tokens, 0, TABLE)]).run())[0]
+    loaded = runner(cfg, model)
+    pages = -(-split // 64)
+    for layer, latents in enumerate(stored):  # whole pages; the suffix writes the rest of the last one
+        loaded.pool.place(layer, TABLE[:pages], np.pad(latents, ((0, pages * 64 - split), (0, 0))))
+    logits = np.asarray(loaded.prefill([Segment(tokens[split:], split, TABLE)]).run())[0]
+    assert _close(logits, want) and _close(reference_logits, want)
+    for layer, (ours, theirs) in enumerate(zip(loaded.pool.read(TABLE), whole.pool.read(TABLE))):
+        ours, theirs = loaded.pool.host(ours)[:PROMPT], whole.pool.host(theirs)[:PROMPT]
         np.testing.assert_array_equal(ours[:split], stored[layer])  # the prefix is read, never recomputed
         # The suffix's latents match the full pass up to bf16 rounding of fp32 noise.
         np.testing.assert_allclose(ours[split:].astype(np.float32), theirs[split:].astype(np.float32),
                                    rtol=1e-2, atol=1e-2)
-    hit = list(runner.generate(tokens[split:], SamplingParams(max_tokens=12), LatentCache(runner.cfg),
-                               start=split, load_prefix=stored.__getitem__))
-    assert hit == greedy
+    assert greedy(loaded, logits, PROMPT, 12) == greedy_want
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])
-def test_chunked_prefill_equals_unchunked(full, chunk):
-    runner, tokens, reference, _ = full
-    chunked = runner.prefill(tokens, chunk_tokens=chunk)
-    assert _close(chunked.logits, reference.logits)
-    assert int(np.argmax(chunked.logits)) == int(np.argmax(reference.logits))
+def test_chunked_prefill_equals_unchunked(tiny, full, chunk):
+    cfg, model = tiny
+    tokens, want, _ = full
+    run = runner(cfg, model, chunk_tokens=chunk)
+    assert len(run.chunk_sizes(PROMPT, PROMPT)) == -(-PROMPT // chunk)
+    logits = np.asarray(run.prefill([Segment(tokens, 0, TABLE)]).run())[0]
+    assert _close(logits, want) and int(np.argmax(logits)) == int(np.argmax(want))
 
 
 def test_absorbed_and_expanded_attention_agree(tiny, full):
     cfg, model = tiny
-    _, tokens, reference, greedy = full
+    tokens, want, greedy_want = full
     for form in ("absorbed", "expanded"):
-        runner = ModelRunner(model, cfg, attention=form)
-        assert _close(runner.prefill(tokens).logits, reference.logits), form
-        assert list(runner.generate(tokens, SamplingParams(max_tokens=12))) == greedy, form
+        run = runner(cfg, model, form=form)
+        assert run._form(PROMPT, PROMPT).name == form
+        logits = np.asarray(run.prefill([Segment(tokens, 0, TABLE)]).run())[0]
+        assert _close(logits, want), form
+        assert greedy(run, logits, PROMPT, 12) == greedy_want, form
 
 
-def test_seeded_sampling_is_reproducible_and_respects_stop_tokens(full):
-    runner, tokens, _, greedy = full
+def test_seeded_sampling_is_reproducible_and_respects_stop_tokens(tiny, full):
+    _, model = tiny
+    tokens, _, greedy_want = full
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=123)
-    first = list(runner.generate(tokens, params))
-    assert first == list(runner.generate(tokens, params))
+    first = reference.generate(model, tokens, params)
+    assert first == reference.generate(model, tokens, params)
     assert len(first) == 10
-    stop = SamplingParams(max_tokens=12, stop_token_ids=(greedy[3],))
-    assert list(runner.generate(tokens, stop)) == greedy[: greedy.index(greedy[3]) + 1]
+    stop = SamplingParams(max_tokens=12, stop_token_ids=(greedy_want[3],))
+    assert reference.generate(model, tokens, stop) == greedy_want[: greedy_want.index(greedy_want[3]) + 1]
 
 
-def test_bad_tokens_and_overlong_prompts_fail_clearly(full):
-    runner, tokens, _, _ = full
+def test_bad_tokens_and_overlong_prompts_fail_clearly(tiny):
+    run = runner(*tiny)
     with pytest.raises(ValueError, match="token id 129280 out of range"):
-        runner.prefill([1, 2, 129_280])
+        run.check_tokens(np.asarray([1, 2, 129_280]))
     with pytest.raises(ValueError, match="token id -1 out of range"):
-        runner.prefill([-1])
+        run.check_tokens(np.asarray([-1]))
     with pytest.raises(ValueError, match="exceeds the context length 16384"):
-        runner.prefill([1, 2, 3], start=16_382)
+        run.check_tokens(np.asarray([1, 2, 3]), extra=16_382)
     with pytest.raises(ValueError, match="non-empty"):
-        runner.prefill([])
+        run.check_tokens(np.asarray([], np.int64))
+    with pytest.raises(ValueError, match="pages cannot hold"):
+        run.prefill([Segment(np.arange(300), 0, TABLE[:2])])

@@ -5,9 +5,11 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
+from model import reference
+from model.attention import make_backend
 from model.convert import convert
-from model.runner import LatentCache, ModelRunner
-from model.sampling import SamplingParams
+from model.latent_pool import LatentPool
+from model.runner import DecodeRow, Runner, Segment
 from model.weights import load_model
 
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "mscale": 1.0,
@@ -49,32 +51,47 @@ def _reference(tmp_path, case: str):
     return ref
 
 
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_and_greedy_tokens_match_transformers(tmp_path, case):
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, case, backend):
     ref = _reference(tmp_path, case)
     convert(tmp_path / "hf", tmp_path / "ours", progress=False)
     loaded = load_model(tmp_path / "ours", cache_dtype="float32")
-    runner = ModelRunner(loaded.model, loaded.config, chunk_tokens=16)
+    cfg, table = loaded.config, list(range(1, 6))
+
+    def runner(key_block: int | None = None) -> Runner:
+        options = {} if key_block is None else {"key_block": key_block}
+        return Runner(loaded.model, cfg, LatentPool(cfg, 8, 16), make_backend(backend, cfg, "cpu", "float32",
+                                                                               page_tokens=16, **options),
+                      chunk_tokens=16)
+
     tokens = np.random.default_rng(1).integers(0, BASE["vocab_size"], 48)
     with torch.no_grad():
         ref_logits = ref(torch.tensor(tokens)[None]).logits[0].numpy()  # (T, V)
     scale = np.abs(ref_logits).max()
+    # The reference forward (one pass, no cache) at every position ...
+    assert np.abs(reference.prompt_logits(loaded.model, tokens) - ref_logits).max() <= 1e-4 * scale
 
-    # Every position through our cache: token by token (decode path) ...
-    cache = LatentCache(loaded.config)
+    # ... every position through our pages: token by token (the decode path) ...
+    run = runner()
     for pos, token in enumerate(tokens):
-        step = runner.prefill([token], cache, start=pos).logits
+        step = np.asarray(run.decode([DecodeRow(int(token), pos, table)]))[0]
         assert np.abs(step - ref_logits[pos]).max() <= 1e-4 * scale, f"position {pos}"
-    # ... and the whole prompt in chunks (prefill path).
-    assert np.abs(runner.prefill(tokens).logits - ref_logits[-1]).max() <= 1e-4 * scale
+    # ... and the whole prompt in chunks (the prefill path).
+    run = runner()
+    logits = np.asarray(run.prefill([Segment(tokens, 0, table)]).run())[0]
+    assert np.abs(logits - ref_logits[-1]).max() <= 1e-4 * scale
     # Blockwise attention (16-row key blocks, so 2-3 blocks a chunk) over a prefix computed before.
-    blockwise = ModelRunner(loaded.model, loaded.config, chunk_tokens=16, key_block=16)
-    prefix = blockwise.prefill(tokens[:20])
-    suffix = blockwise.prefill(tokens[20:], prefix.cache, start=20)
-    assert np.abs(suffix.logits - ref_logits[-1]).max() <= 1e-4 * scale
+    blockwise = runner(key_block=16)
+    blockwise.prefill([Segment(tokens[:20], 0, table)], want_logits=False).run()
+    suffix = np.asarray(blockwise.prefill([Segment(tokens[20:], 20, table)]).run())[0]
+    assert np.abs(suffix - ref_logits[-1]).max() <= 1e-4 * scale
 
     with torch.no_grad():
         ref_out = ref.generate(torch.tensor(tokens)[None], max_new_tokens=32, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
-    ours = list(runner.generate(tokens, SamplingParams(max_tokens=32)))
+    ours = [int(np.argmax(logits))]
+    while len(ours) < 32:
+        step = run.decode([DecodeRow(ours[-1], len(tokens) + len(ours) - 1, table)])
+        ours.append(int(np.argmax(np.asarray(step)[0])))
     assert ours == ref_out

@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import cpu_kernels
+from model import cpu_kernels, reference
+from model.attention import make_backend
 from model.config import preset
+from model.latent_pool import LatentPool
 from model.layers import Linear
-from model.runner import ModelRunner
+from model.runner import Runner, Segment
 from model.serving import WIDE_ROWS, ServingLinear, serving_model
 from model.weights import init_model
 from services.engine.config import EngineConfig
@@ -74,19 +76,18 @@ def test_a_few_rows_take_the_cpu_kernel_and_agree_with_xlas_product(checkpoint):
 
 
 def test_prefill_attention_takes_the_cpu_kernel_where_it_runs_and_agrees_with_xlas_path():
-    """Latent widths the kernel takes (multiples of 32; tiny's 48 is not): a 300-token prompt's logits with the
-    prefill attention kernel (absorbed form, always) against XLA's path (its own choice of form)."""
+    """Latent widths the kernel takes (multiples of 32; tiny's 48 is not): a 300-token prompt's logits with the cpu
+    backend's prefill attention kernel against the xla backend's path (each its own choice of form)."""
     if not cpu_kernels.prefill_attention_available():
         pytest.skip("the prefill attention kernel needs AMX")
     cfg = preset("tiny", kv_lora_rank=64, qk_rope_head_dim=32)
-    checkpoint = init_model(cfg)
-    kernel, xla = serving_model(checkpoint, "bfloat16"), serving_model(checkpoint, "bfloat16", prefill_kernel=False)
-    assert kernel.layers[0].attn.prefill_kernel and not xla.layers[0].attn.prefill_kernel
-    assert not serving_model(init_model(preset("tiny")), "bfloat16").layers[0].attn.prefill_kernel  # A = 48
+    model = serving_model(init_model(cfg), "bfloat16")
+    backends = [make_backend(name, cfg, "cpu", "bfloat16") for name in ("cpu", "xla")]
+    assert backends[0].prefill_kernel
+    assert not make_backend("cpu", preset("tiny"), "cpu", "bfloat16").prefill_kernel  # A = 48
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, 300)
-    runners = ModelRunner(kernel, cfg, chunk_tokens=128), ModelRunner(xla, cfg, chunk_tokens=128)
-    assert runners[0].prefill_kernel and not runners[1].prefill_kernel
-    got, want = (np.asarray(r.prefill(tokens, reserve=1).logits, np.float32) for r in runners)
+    got, want = (np.asarray(Runner(model, cfg, LatentPool(cfg, 8, 64), backend, chunk_tokens=128).prefill(
+        [Segment(tokens, 0, [1, 2, 3, 4, 5])]).run())[0] for backend in backends)
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     assert np.abs(got - want).max() > 0  # another path did compute it
 
@@ -116,19 +117,15 @@ def test_many_rows_widen_to_float32_where_the_cpu_has_no_amx_and_agree_with_bflo
     np.testing.assert_allclose(np.asarray(wide(x)), np.asarray(x.astype(jnp.bfloat16), np.float64)
                                @ np.asarray(weight, np.float64).T, rtol=1e-5, atol=1e-5)
 
-    cfg = preset("tiny")
-    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, 300)
-    runners = (ModelRunner(serving_model(checkpoint, "bfloat16", wide=w), cfg, chunk_tokens=256) for w in (True, False))
-    got, want = (np.asarray(r.prefill(tokens, reserve=1).logits, np.float32) for r in runners)
+    tokens = np.random.default_rng(6).integers(0, preset("tiny").vocab_size, 300)
+    got, want = (reference.prompt_logits(serving_model(checkpoint, "bfloat16", wide=w), tokens)[-1] for w in (True, False))
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
 
 
 def test_bfloat16_logits_stay_within_its_tolerance_of_the_checkpoints(checkpoint):
-    cfg = preset("tiny")
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
-    want = np.asarray(ModelRunner(checkpoint, cfg).prefill(tokens, reserve=1).logits, np.float32)
-    got = np.asarray(ModelRunner(serving_model(checkpoint, "bfloat16"), cfg).prefill(tokens, reserve=1).logits,
-                     np.float32)
+    tokens = np.random.default_rng(1).integers(0, preset("tiny").vocab_size, 40)
+    want = reference.prompt_logits(checkpoint, tokens)[-1]
+    got = reference.prompt_logits(serving_model(checkpoint, "bfloat16"), tokens)[-1]
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 3e-2 * scale  # rounding each product's inputs to 8 bits
     assert np.abs(got - want).max() > 0  # it did serve at another dtype

@@ -68,7 +68,8 @@ def _check(case: str, tmp: Path) -> dict:
     import numpy as np
 
     from model.config import preset
-    from model.sharding import greedy_tokens, make_mesh, prompt_logits
+    from model.reference import greedy_tokens, logits_jit, prompt_logits
+    from model.sharding import make_mesh
     from model.weights import init_model, load_model, save_model
 
     name, overrides, (tensor, expert) = CASES[case]
@@ -88,9 +89,8 @@ def _check(case: str, tmp: Path) -> dict:
     # Every collective is an all-reduce (after o_proj, down_proj, the experts' psum, the vocab-split
     # embedding): no device ever gathers another device's weights.
     from flax import nnx
-    from model.sharding import _prompt_logits_jit
     with jax.set_mesh(mesh):
-        hlo = _prompt_logits_jit.lower(*nnx.split(sharded), jax.numpy.asarray(tokens, "int32")).compile().as_text()
+        hlo = logits_jit.lower(*nnx.split(sharded), jax.numpy.asarray(tokens, "int32")).compile().as_text()
     want = prompt_logits(single, tokens)
     got = prompt_logits(sharded, tokens, mesh)
     return {"devices": len(jax.devices()), "all_reduces": hlo.count("all-reduce-start(") + hlo.count(" all-reduce("),

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from kvstore import CacheGeometry, Hit, SegmentRun, block_hashes, miss
+from kvstore import CacheGeometry, Hit, SegmentRun, block_hashes, cacheable_blocks, miss
 from kvstore.location import SEGMENT_ID, VOLUME_ID
 from model.grammar import GrammarError, grammar_source
 from model.runner import enable_compilation_cache
@@ -180,7 +180,7 @@ def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, blo
             raise BadJob("'hit.locations' holds a malformed segment run", "hit") from None
         runs.append(run)
     # Locations covering fewer blocks than claimed: only what they cover can be read (a wrong hit is a miss).
-    blocks = min(hit_blocks, sum(run.count for run in runs), (tokens.size - 1) // block_tokens)
+    blocks = min(hit_blocks, sum(run.count for run in runs), cacheable_blocks(tokens.size, block_tokens))
     if blocks <= 0:
         return miss()
     hashes = block_hashes(tokens[: blocks * block_tokens].tolist(), fingerprint, salt, block_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from model.attention import BACKENDS
 from model.config import check_serving_dtype
 from services.common.config import check_redis_url, load_config, secret_field
 from services.common.logs import check_log_format
@@ -67,6 +68,9 @@ class EngineConfig:
                 "inputs at it and accumulate in float32. bfloat16 (as vLLM serves a float32 checkpoint at half "
                 "precision; CPUs with matrix units run it several times faster, see BENCHMARKS.md) or float32 "
                 "(the checkpoint's own numerics)"})
+    attention: str = field(default="auto", metadata={
+        "help": "attention backend (model/attention/): auto (cpu where our CPU kernels serve this machine, else "
+                "xla), xla (plain JAX, every platform) or cpu"})
     save_every_tokens: int = field(default=2048, metadata={
         "help": "during a long prefill, save its full blocks every this many tokens (a cancelled or "
                 "preempted prefill keeps its progress)"})
@@ -102,6 +106,8 @@ class EngineConfig:
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
         check_serving_dtype(self.dtype)
+        if self.attention not in ("auto", *BACKENDS):
+            raise ValueError(f"attention must be auto, {' or '.join(BACKENDS)}, got {self.attention!r}")
 
         if self.pool_tokens < 0 or self.pool_gib < 0:
             raise ValueError("pool_tokens and pool_gib must be >= 0")

@@ -59,7 +59,11 @@ class EngineMetrics:
                                       "Prompt tokens by source: computed or loaded from the cache",
                                       ["source"], registry=r)
         self.prefetch_stall = Counter("deepinfer_engine_prefetch_stall_seconds_total",
-                                      "Time disk hits waited for their prefix to load (other sequences kept running)", registry=r)
+                                      "Time disk hits' prefills waited for a layer of their prefix to load (other "
+                                      "sequences kept running)", registry=r)
+        self.overlapped_units = Counter("deepinfer_engine_prefill_units_overlapping_load_total",
+                                        "Prefill units (a layer's chunk) of disk hits computed while later layers of "
+                                        "their prefix were still loading", registry=r)
         self.bytes_loaded = Counter("deepinfer_engine_loaded_bytes_total", "Latent bytes loaded on hits",
                                     registry=r)
         self.generated_tokens = Counter("deepinfer_engine_generated_tokens_total", "Tokens generated",

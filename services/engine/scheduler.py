@@ -1,35 +1,33 @@
-"""Scheduling policy: who gets pages, and what each model step computes.
+"""Scheduling policy: who gets pages, and the whole plan of each model step.
 
-A waiting queue (FCFS; preempted sequences go back to its front), a loading set (pages granted, disk
-hit being read) and a running list (in admission order). Every step runs one batch: a decode token
-of every running sequence whose prefill is done, plus prefill segments of running sequences up to a
-budget, so a long prefill never stops other streams' decoding. The budget is time: given the measured
-step costs (step_cost.py), the segments are sized so that their predicted time is about
-`prefill_step_ratio` times the decode step's, which takes few tokens at long contexts (each token attends
-over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences prefill than
-decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a long
-context: 64 tokens at 16K cost several decode steps), or where it would cost SLICE_GAIN more per token than a
-large segment (a pass's fixed cost dominates small ones), the one such sequence with the least left to compute
-(its rest predicted, shortest first) gets a sliced pass: a segment
-predicted to take up to SLICED_STEPS budgets, computed a few units per step (layers, or a layer's chunks, each
-timed: the slice ends at the unit boundary nearest what the budget holds after the step's other segments, at
-least one unit) between the decode steps, so a step's prefill stays near its budget at any context. One sliced
-pass at a time; while it is in flight, other sequences' segments that fit still run beside it, so a short
-prompt is not stuck behind a long one. Without costs yet, and in batch-invariant mode, the budget is
-`step_tokens` tokens. With nothing to decode, a prefill
-takes `solo_tokens` segments (fewer passes over its prefix), bounded so a newcomer waits at most one.
-Admission is by free pages; when a decoding sequence needs a page and none is left, the youngest
-running sequence is preempted (its pages freed, its blocks kept hot, requeued). `decode_cut` says when
-a decode batch is cheaper as two dispatches.
+A waiting queue (FCFS; preempted sequences go back to its front) and a running list (in admission order). Each
+step's `Plan` is final: the decode dispatches (every running sequence whose prefill is done, with the page its
+token goes to; where the pool has none the youngest running sequence is preempted), the prefill passes (segments
+up to a budget, short ones of several sequences packed into one pass), a sliced pass, and who was preempted.
+The engine executes it and samples; pages move only through the block manager.
+
+The prefill budget is time: given the measured step costs (step_cost.py), the segments are sized so that their
+predicted time is about `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts
+(each token attends over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences
+prefill than decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a
+long context: 64 tokens at 16K cost several decode steps), or where it would cost SLICE_GAIN more per token than
+a large segment (a pass's fixed cost dominates small ones), the one such sequence with the least left to compute
+gets a sliced pass: a segment predicted to take up to SLICED_STEPS budgets, computed a few units per step
+(layers' chunks, each timed) between the decode steps. One sliced pass at a time; while it is in flight, other
+sequences' segments that fit still run beside it. Without costs yet, and in batch-invariant mode, the budget is
+`step_tokens` tokens. With nothing to decode, a prefill takes `solo_tokens` segments. A sequence loading a disk
+hit prefills its suffix in a pass of its own, which runs each layer once that layer is in its pages.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from services.engine.pool import PagePool
+from kvstore import cacheable_blocks
+from model.runner import MAX_PASS_TILES
+from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, Status
 from services.engine.step_cost import DispatchCost, StepCost
 
@@ -60,11 +58,6 @@ class SchedulePolicy:
         return sizes if sizes[-1] == self.solo_tokens else [*sizes, self.solo_tokens]
 
 
-class Admission(NamedTuple):
-    seq: Sequence
-    memory_pages: list[int]  # published pages the sequence took a reference on
-
-
 SLICED_STEPS = 32  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend
 # and read the weights for more tokens at once (and the expanded form computes a layer's keys and values once
 # for more chunks), but while one is in flight another long prompt waits for it. A pass's units are a layer's
@@ -79,77 +72,92 @@ SLICE_GAIN = 1.25  # a sequence whose largest segment that fits a step is this m
 # tokens in 27 steps of 64 tokens (about 50 ms each) where one sliced pass of 2,048 took 0.6 s.
 
 
-class Step(NamedTuple):
-    decode: list[Sequence]
-    prefill: list[tuple[Sequence, int]]  # (sequence, tokens to compute from its `computed`), each run whole
+class Plan(NamedTuple):
+    """A model step, as the engine executes it."""
+    decode: list[list[Sequence]]  # decode dispatches; each sequence has the page its token goes to
+    passes: list[list[tuple[Sequence, int]]]  # prefill passes run whole: (sequence, tokens from its `computed`)
     sliced: tuple[Sequence, int] | None = None  # a segment to start as a sliced pass (none while one is in flight)
-    # The seconds left for the sliced pass (new or in flight) after `prefill`: it runs as many of its units as
-    # fit, at least one. None: a pass in flight runs to its end.
+    # The seconds left for the sliced pass (new or in flight) after `passes`: it runs as many of its units as fit,
+    # at least one. None: a pass in flight runs to its end.
     slice_s: float | None = None
+    preempted: tuple[Sequence, ...] = ()  # pages freed, requeued: their passes and loads must end first
+    ended: tuple[Sequence, ...] = ()  # they alone fill the pool: their answers end ("length")
+
+    @property
+    def decoding(self) -> list[Sequence]:
+        return [seq for dispatch in self.decode for seq in dispatch]
+
+    @property
+    def prefill(self) -> list[tuple[Sequence, int]]:
+        return [segment for group in self.passes for segment in group]
+
+
+class Shapes(Protocol):
+    """What the scheduler asks of the runner's shapes (model/runner.py)."""
+
+    def batchable(self, n: int, end: int) -> bool: ...
+
+    def decode_shape(self, positions: list[int]) -> tuple[int, int]: ...
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, policy: SchedulePolicy):
-        self.pool, self.policy = pool, policy
+    def __init__(self, blocks: BlockManager, policy: SchedulePolicy, shapes: Shapes | None = None):
+        """`shapes`: the runner's (None: every segment goes alone, every decode batch in one dispatch)."""
+        self.blocks, self.policy, self.shapes = blocks, policy, shapes
         self.waiting: deque[Sequence] = deque()
-        self.loading: list[Sequence] = []
         self.running: list[Sequence] = []
 
     def __len__(self) -> int:
-        return len(self.waiting) + len(self.loading) + len(self.running)
+        return len(self.waiting) + len(self.running)
 
-    def live(self) -> list[Sequence]:
-        return [*self.loading, *self.running]
+    @property
+    def loading(self) -> list[Sequence]:
+        return [seq for seq in self.running if seq.load is not None]
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.policy.block_tokens)
-
-    def admit(self) -> list[Admission]:
-        """Grants pages to waiting sequences in order while they fit (a memory hit takes references on
-        the published pages of its prefix; the rest of its prompt gets new pages)."""
+    def admit(self) -> list[tuple[Sequence, list[int]]]:
+        """Grants pages to waiting sequences in order while they fit (`BlockManager.grant`: a memory hit takes
+        references on the published pages of its prefix); each admitted one runs from there, its computed tokens
+        the memory hit's. Returns (sequence, memory hit pages) each."""
         admitted = []
-        while self.waiting and len(self.loading) + len(self.running) < self.policy.max_batch:
+        while self.waiting and len(self.running) < self.policy.max_batch:
             seq = self.waiting[0]
-            B = self.policy.block_tokens
-            usable = (seq.target - 1) // B  # at least one token is always computed
-            memory = self.pool.match(seq.hashes[:usable])
-            new = self.pages_for(seq.target + 1) - len(memory)  # +1: the first decoded token
-            if new > self.pool.available() - self.pool.hot_in(memory):
+            memory = self.blocks.grant(seq, cacheable_blocks(seq.target, self.policy.block_tokens))
+            if memory is None:
                 break  # (a sequence that could never fit is refused before it is queued)
             self.waiting.popleft()
-            self.pool.acquire(memory)
-            seq.pages = memory + self.pool.allocate(new)
-            seq.computed = len(memory) * B
-            admitted.append(Admission(seq, memory))
+            seq.computed, seq.status = len(memory) * self.policy.block_tokens, Status.RUNNING
+            self.running.append(seq)
+            admitted.append((seq, memory))
         return admitted
 
-    def start_running(self, seq: Sequence) -> None:
-        if seq in self.loading:
-            self.loading.remove(seq)
-        seq.status = Status.RUNNING
-        self.running.append(seq)
-
-    def schedule(self, cost: StepCost | None = None, in_pass: Collection[Sequence] = ()) -> Step:
-        """The next step's batch; `cost` (measured step costs) sizes the prefill segments by time while
-        sequences decode. `in_pass`: the sequences of a sliced pass in flight (they get no segment; the step
-        gives the pass what its budget has left, or, untimed, lets it run to its end before any other
-        segment)."""
-        decode = [s for s in self.running if not s.prefilling]
+    def schedule(self, cost: StepCost | None = None, in_flight: Collection[Sequence] = (), slicing: bool = False
+                 ) -> Plan:
+        """The next step's plan; `cost` (measured step costs) sizes the prefill segments by time while sequences
+        decode. `in_flight`: sequences in a prefill pass in flight (they get no segment); `slicing`: one of those
+        passes is sliced (the step gives it what its budget has left, or, untimed, lets it run to its end)."""
+        preempted, ended = [], []
+        decode = self._grow([s for s in self.running if not s.prefilling], preempted, ended)
         p = self.policy
         decode_s = cost.decode_s(len(decode)) if cost is not None and decode else None
+        sliced = slice_s = None
         if decode_s is not None and not p.batch_invariant and cost.prefill_s(1, 1) is not None:
-            prefilling = len(self.running) - len(decode)
-            share = max(1.0, prefilling / len(decode))
-            return self._timed_prefill(decode, cost, p.prefill_step_ratio * decode_s * share, in_pass)
-        if in_pass:
-            return Step(decode, [])
-        budget = (p.step_tokens - len(decode)) if decode else p.solo_tokens
+            share = max(1.0, (len(self.running) - len(decode)) / len(decode))
+            prefill, sliced, slice_s = self._timed_prefill(cost, p.prefill_step_ratio * decode_s * share, in_flight,
+                                                           slicing)
+        else:
+            prefill = [] if slicing else self._token_prefill(len(decode), in_flight)
+        return Plan(self._dispatches(decode, cost), self._passes(prefill), sliced, slice_s, tuple(preempted),
+                    tuple(ended))
+
+    def _token_prefill(self, decoding: int, in_flight: Collection[Sequence]) -> list[tuple[Sequence, int]]:
+        p = self.policy
+        budget = (p.step_tokens - decoding) if decoding else p.solo_tokens
         prefill = []
         for seq in self.running:
-            if not seq.prefilling or budget <= 0:
+            if not seq.prefilling or seq in in_flight or budget <= 0:
                 continue
             left = seq.target - seq.computed
             if p.batch_invariant:
@@ -159,13 +167,13 @@ class Scheduler:
                 n = min(left, budget)
             prefill.append((seq, n))
             budget -= n
-        return Step(decode, prefill)
+        return prefill
 
-    def _timed_prefill(self, decode: list[Sequence], cost: StepCost, seconds: float,
-                       in_pass: Collection[Sequence]) -> Step:
+    def _timed_prefill(self, cost: StepCost, seconds: float, in_flight: Collection[Sequence], slicing: bool
+                       ) -> tuple[list[tuple[Sequence, int]], tuple[Sequence, int] | None, float | None]:
         """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
-        admission order (but those of the pass in flight) the largest segment size that fits what is left (its
-        rest of the prompt if that fits). With no pass in flight, of those whose smallest size does not fit, or
+        admission order (but those in a pass in flight) the largest segment size that fits what is left (its
+        rest of the prompt if that fits). With no sliced pass in flight, of those whose smallest size does not fit, or
         whose fitting size computes SLICE_GAIN fewer tokens a second, the one whose rest of the prompt is predicted
         to take least gets a sliced pass (the others' fitting segments still run): the largest size
         predicted within SLICED_STEPS times the step's budget (at least the smallest), so a prefill progresses
@@ -193,11 +201,11 @@ class Scheduler:
             seconds -= predicted(seq, n)  # charged after it joins `prefill`: see the first call
 
         for seq in self.running:
-            if not seq.prefilling or seq in in_pass:
+            if not seq.prefilling or seq in in_flight:
                 continue
             fits = fitting(seq)
             slice_n = None
-            if not in_pass:
+            if not slicing:
                 within = [n for n in candidates(seq) if cost.prefill_s(n, seq.computed + n) <= SLICED_STEPS * budget]
                 slice_n = within[-1] if within else candidates(seq)[0]
             if fits and not (slice_n is not None and slice_n > fits[-1]
@@ -219,33 +227,82 @@ class Scheduler:
             for _, seq, _ in wanting:
                 if seq is not chosen and (fits := fitting(seq)):
                     add(seq, fits[-1])
-        if sliced is None and not in_pass:
-            return Step(decode, prefill)
-        return Step(decode, prefill, sliced, max(seconds, 0.0))
+        if sliced is None and not slicing:
+            return prefill, None, None
+        return prefill, sliced, max(seconds, 0.0)
 
-    def youngest(self) -> Sequence | None:
-        return self.running[-1] if self.running else None
+    def _grow(self, decode: list[Sequence], preempted: list[Sequence], ended: list[Sequence]) -> list[Sequence]:
+        """Gives every decoding sequence the page its next token goes to, preempting the youngest running sequences
+        while the pool has none (a sequence that alone fills the pool ends instead); returns those still decoding."""
+        for seq in decode:
+            if seq.status is not Status.RUNNING:
+                continue
+            while not self.blocks.extend(seq):
+                if len(seq.pages) >= self.blocks.usable:
+                    self.running.remove(seq)  # its answer ends here; the engine frees it after saving
+                    ended.append(seq)
+                    break
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+        return [seq for seq in decode if seq.status is Status.RUNNING and seq not in ended]
+
+    def _dispatches(self, decode: list[Sequence], cost: StepCost | None) -> list[list[Sequence]]:
+        """The decode batch as one dispatch, or as two, the shorter sequences apart from the longer ones
+        (`decode_cut`). Batch-invariant mode always takes one (its batch is padded to a fixed size)."""
+        if not decode:
+            return []
+        if self.policy.batch_invariant or len(decode) < 2 or self.shapes is None or cost is None:
+            return [decode]
+        ordered = sorted(decode, key=lambda seq: seq.computed)
+        cut = decode_cut([seq.computed for seq in ordered], self.shapes.decode_shape, cost.dispatch)
+        return [ordered[:cut], ordered[cut:]] if cut else [decode]
+
+    def _passes(self, segments: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+        """The segments as passes: those the runner can batch together in passes of up to MAX_PASS_TILES tiles,
+        taken in order of where they end, so that a pass holds segments of like context (its tiles attend in one
+        vmapped loop, as many key blocks for each as for its longest: 16 segments of 64 tokens at 64-2,000 tokens
+        of context took 803 ms in two passes packed this way, 1,085 ms in admission order); then each other one
+        alone (a long segment, which the runner chunks; a sequence loading a disk hit). Batch-invariant mode
+        computes every segment alone, so a sequence's numbers never depend on who shares its pass."""
+        alone, batched = [], []
+        for seq, n in segments:
+            if (self.policy.batch_invariant or self.shapes is None or seq.load is not None
+                    or not self.shapes.batchable(n, seq.computed + n)):
+                alone.append([(seq, n)])
+            else:
+                batched.append((seq, n))
+        batched.sort(key=lambda item: item[0].computed + item[1])
+        passes, shared, tiles = [], [], 0
+        for seq, n in batched:
+            count = -(-n // self.policy.block_tokens)
+            if tiles + count > MAX_PASS_TILES:
+                passes.append(shared)
+                shared, tiles = [], 0
+            shared.append((seq, n))
+            tiles += count
+        return passes + ([shared] if shared else []) + alone
 
     def preempt(self, seq: Sequence) -> None:
-        """Frees the sequence's pages and puts it first in line (its published blocks stay hot, so the
-        redo is mostly a memory hit)."""
+        """Frees the sequence's pages and puts it first in line; its published blocks stay hot (what it computed
+        is published first), so the redo is mostly a memory hit."""
+        self.blocks.publish_sequence(seq)
         self.running.remove(seq)
-        self.pool.release(seq.pages)
-        seq.pages, seq.computed, seq.status = [], 0, Status.WAITING
-        seq.published_blocks = 0
+        self.blocks.free(seq)
+        seq.computed, seq.status, seq.published_blocks = 0, Status.WAITING, 0
         seq.preemptions += 1
         self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Takes a finished or cancelled sequence out and releases its pages."""
-        for group in (self.running, self.loading):
-            if seq in group:
-                group.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq.pages:
-            self.pool.release(seq.pages)
-            seq.pages = []
+            self.blocks.free(seq)
         seq.status = Status.FINISHED
 
 

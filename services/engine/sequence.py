@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvstore import Hit, Prefetch
+from kvstore import Hit, extend_block_hashes
 from model.grammar import GrammarState
 from model.sampling import SamplingParams
 
@@ -28,9 +28,20 @@ class Job(NamedTuple):
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and requeued: owns no pages
-    LOADING = "loading"  # owns its pages; its disk hit is being read
-    RUNNING = "running"  # prefilling or decoding
+    RUNNING = "running"  # owns its pages: loading a disk hit, prefilling or decoding
     FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Load:
+    """A disk hit being read into the sequence's pages layer by layer (services/engine/tiers.py): positions
+    [start, end) of its prefix, which it counts as computed while the layers arrive; `placed` layers are in its
+    pages. A layer that fails verification shortens `end` (the sequence computes the rest)."""
+    start: int  # tokens it held before (from the memory tier): not read
+    end: int
+    begin: float  # perf_counter when it was asked for
+    placed: int = 0
+    cancel: object = None  # set by the tiers: stops the reads (any thread)
 
 
 @dataclass(eq=False)
@@ -54,10 +65,7 @@ class Sequence:
     disk_tokens: int = 0  # prompt tokens read from disk (first admission)
     published_blocks: int = 0  # leading full blocks published to the memory tier
     saved_blocks: int = 0  # leading full blocks known to be on disk (saved or read from there)
-    prefetch: Prefetch | None = None
-    staging: np.ndarray | None = None  # (layers, padded tokens, A): where the disk read lands
-    load_blocks: int = 0  # blocks [memory, load_blocks) are being read from disk
-    load_begin: float = 0.0
+    load: Load | None = None  # a disk hit being read
     preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -87,6 +95,18 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.target
+
+    @property
+    def settled(self) -> int:
+        """Tokens whose latents are in every layer of its pages (a load's are not until its last layer is)."""
+        return self.computed if self.load is None else self.load.start
+
+    def block_hashes(self, blocks: int, fingerprint: str, block_tokens: int) -> list[bytes]:
+        """The chained hashes of its first `blocks` full blocks (extended as it grows)."""
+        if len(self.hashes) < blocks:
+            self.hashes = extend_block_hashes(self.hashes, self.tokens, fingerprint, self.job.tenant_salt,
+                                              block_tokens)
+        return self.hashes[:blocks]
 
     def emit(self, event: dict[str, Any]) -> None:
         """Hands an event to the request's stream (callable from any thread)."""

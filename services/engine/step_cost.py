@@ -7,7 +7,7 @@ through the projections and the MoE (a*n) and attends over a view of about `end`
 segment, whatever its n, gathers (and in the expanded form expands) the whole prefix's view once per layer
 (c*end) and dispatches its layers (d). At 16K context the end terms dominate, so a fixed 256-token segment
 there takes many decode steps' time; at short contexts it is cheap. Segments of several sequences computed
-in one pass (PagedRunner.prefill_segments) pay d once: their pass costs the sum of the other terms plus d.
+in one pass (Runner.prefill of several) pay d once: their pass costs the sum of the other terms plus d.
 """
 from __future__ import annotations
 

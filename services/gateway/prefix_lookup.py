@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Sequence
 
+from kvstore.hashing import cacheable_blocks
 from kvstore.index import PrefixIndex
 from kvstore.location import Hit, miss
 from services.gateway.gateway_metrics import GatewayMetrics
@@ -17,12 +18,6 @@ from services.gateway.gateway_metrics import GatewayMetrics
 log = logging.getLogger(__name__)
 
 _FAILURE_LOG_INTERVAL_S = 10.0  # with Redis down every request fails its lookup; log a few
-
-
-def usable_blocks(prompt_tokens: int, block_tokens: int) -> int:
-    """Most leading blocks a hit may cover: at least one prompt token is always left to prefill,
-    because the engine needs the last prompt token's logits to sample the first answer token."""
-    return max(0, (prompt_tokens - 1) // block_tokens)
 
 
 class PrefixLookup:
@@ -33,7 +28,7 @@ class PrefixLookup:
         self._last_failure_log = -_FAILURE_LOG_INTERVAL_S
 
     async def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, block_tokens: int) -> Hit:
-        hashes = hashes[:usable_blocks(prompt_tokens, block_tokens)]
+        hashes = hashes[:cacheable_blocks(prompt_tokens, block_tokens)]
         if not hashes or self._index is None:
             return miss()
         try:

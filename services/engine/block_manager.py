@@ -1,4 +1,4 @@
-"""Pages of the latent pool: who owns each one, and the memory tier of finished sequences' blocks.
+"""The block manager: who owns each page of the latent pool, and the memory tier of finished sequences' blocks.
 
 A page holds one cache block (block_tokens positions, every layer). Each page other than the scratch
 page is in exactly one state:
@@ -8,22 +8,24 @@ page is in exactly one state:
   prefix shares it instead of loading or computing it;
 - hot: published, no longer referenced (ref == 0), kept in LRU order until a new page is needed.
 The hashes are the disk index's (salted per tenant, chained over the whole prefix), so a hash names
-the same latents in memory and on disk, and tenants never share pages.
+the same latents in memory and on disk, and tenants never share pages. Every page a sequence gets or gives back
+goes through here: `grant` at admission, `extend` as it decodes, `free` when it ends or is preempted.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from model.paged_runner import SCRATCH_PAGE
+from model.latent_pool import SCRATCH_PAGE
+from services.engine.sequence import Sequence
 
 
 class PoolExhausted(Exception):
     """Fewer pages are free or hot than a request for pages needs."""
 
 
-class PagePool:
-    def __init__(self, num_pages: int, memory_tier: bool = True):
-        self.num_pages = num_pages
+class BlockManager:
+    def __init__(self, num_pages: int, block_tokens: int, fingerprint: str, memory_tier: bool = True):
+        self.num_pages, self.block_tokens, self.fingerprint = num_pages, block_tokens, fingerprint
         self.memory_tier = memory_tier  # off: nothing is published, so nothing is shared or kept
         self._free: deque[int] = deque(p for p in range(num_pages) if p != SCRATCH_PAGE)
         self._ref = [0] * num_pages
@@ -127,6 +129,46 @@ class PagePool:
             self._free.append(page)
         self._hot.clear()
         return dropped
+
+    # -- a sequence's pages --
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def grant(self, seq: Sequence, usable_blocks: int) -> list[int] | None:
+        """Pages for a sequence being admitted: the published pages of the longest run of its first `usable_blocks`
+        blocks held here (a memory hit, references taken) and new ones for the rest of its target and its next
+        token. Returns the memory hit's pages, or None (nothing taken) where the pool cannot hold it now."""
+        memory = self.match(seq.hashes[:usable_blocks])
+        new = self.pages_for(seq.target + 1) - len(memory)
+        if new > self.available() - self.hot_in(memory):
+            return None
+        self.acquire(memory)
+        seq.pages = memory + self.allocate(new)
+        return memory
+
+    def extend(self, seq: Sequence) -> bool:
+        """Gives a decoding sequence the page its next token goes to, if it needs one and one is available."""
+        if seq.computed // self.block_tokens < len(seq.pages):
+            return True
+        if self.available() == 0:
+            return False
+        seq.pages += self.allocate(1)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.release(seq.pages)
+        seq.pages = []
+
+    def publish_sequence(self, seq: Sequence) -> None:
+        """The sequence's full blocks whose latents are in every layer (`settled`) become shareable."""
+        full = min(seq.settled // self.block_tokens, len(seq.pages))
+        if full <= seq.published_blocks:
+            return
+        hashes = seq.block_hashes(full, self.fingerprint, self.block_tokens)
+        for block in range(seq.published_blocks, full):
+            self.publish(seq.pages[block], hashes[block])
+        seq.published_blocks = full
 
     # -- accounting (tests) --
 

@@ -1,0 +1,214 @@
+"""The disk tier beside the model thread: a disk hit's layers read into the sequence's pages, new blocks saved.
+
+Loads run on the event loop. Each layer of a hit is read (verified) into a slot of one staging buffer, reused by
+every load and page-locked where the platform allows (`pin`), and reported through one completion queue that
+wakes the model thread; the model thread places the layer into the sequence's pages (`place`), which frees its
+slot for a later layer. A hit's prefill runs layer l as soon as layer l is placed (services/engine/core.py), so
+its time to first token approaches max(load, compute), and no other sequence's step waits on disk. The buffer
+holds `read_ahead + 2` layers of the longest hit so far, not a whole prefix; loads take it one at a time, in
+order of arrival.
+
+Saves: the model thread copies a sequence's new full blocks on the device (cheap, ordered with later steps); the
+host copy and the write happen on the event loop, and only durable data is published (kvstore).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from model.latent_pool import SCRATCH_PAGE, LatentPool, pow2
+from services.common.request_id import current_request_id
+from services.engine.cache_link import CacheLink
+from services.engine.config import EngineConfig
+from services.engine.engine_metrics import EngineMetrics
+from services.engine.sequence import Job, Load, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def pin(buffer: np.ndarray, platform: str) -> bool:
+    """Page-locks a host buffer for the accelerator's DMA where the platform has one (CUDA: cudaHostRegister of the
+    runtime JAX loaded); False where it cannot (the CPU, or no CUDA runtime in the process)."""
+    if platform not in ("gpu", "cuda"):
+        return False
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            runtime = ctypes.CDLL(name)
+        except OSError:
+            continue
+        return runtime.cudaHostRegister(ctypes.c_void_p(buffer.ctypes.data), ctypes.c_size_t(buffer.nbytes), 0) == 0
+    return False
+
+
+class Slots:
+    """The staging buffer's layer slots for one load: layer l is read into slot l % R once layer l - R is placed."""
+
+    def __init__(self, buffer: np.ndarray, rows: int, loop: asyncio.AbstractEventLoop):
+        self.buffer, self.rows, self.loop = buffer, rows, loop
+        self.placed = 0  # layers placed (freed), in order
+        self._freed = asyncio.Event()
+
+    async def take(self, layer: int) -> np.ndarray:  # kvstore.LayerBuffers
+        while layer - self.buffer.shape[0] >= self.placed:
+            self._freed.clear()
+            await self._freed.wait()
+        return self.buffer[layer % self.buffer.shape[0], :self.rows]
+
+    async def all_placed(self, layers: int) -> None:
+        while self.placed < layers:
+            self._freed.clear()
+            await self._freed.wait()
+
+    def free(self, layer: int) -> None:
+        """Layer `layer` is placed (any thread)."""
+        self.loop.call_soon_threadsafe(self._free, layer)
+
+    def _free(self, layer: int) -> None:
+        self.placed = max(self.placed, layer + 1)
+        self._freed.set()
+
+
+class LayerRead(NamedTuple):
+    """A completion: layer `layer` of `load` is in `slots` ((valid tokens, A) rows of the hit from block 0)."""
+    seq: Sequence
+    load: Load
+    layer: int
+    latents: np.ndarray
+    slots: Slots
+
+
+class Tiers:
+    def __init__(self, cfg: EngineConfig, cache: CacheLink, latents: LatentPool, metrics: EngineMetrics,
+                 wake: Callable[[], None], platform: str):
+        self.cfg, self.cache, self.latents, self.metrics = cfg, cache, latents, metrics
+        self.B, self.platform, self._wake = cfg.block_tokens, platform, wake
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.completions: queue.SimpleQueue[LayerRead] = queue.SimpleQueue()
+        self.saves: set[concurrent.futures.Future] = set()  # saves handed to the event loop, not yet done
+        self._saves_lock = threading.Lock()
+        self._staging: np.ndarray | None = None  # (read_ahead + 2, rows, A), made on the first hit, grown by need
+        self.pinned = False
+        self._staging_lock: asyncio.Lock | None = None
+
+    @property
+    def store(self):
+        return self.cache.store
+
+    # -- loads --
+
+    def load(self, seq: Sequence, end: int) -> None:
+        """Starts reading the sequence's hit up to `end` tokens (its pages hold seq.computed already); it counts
+        them computed from here, and its prefill's layer l waits for layer l (`place`). Model thread."""
+        seq.load = load = Load(seq.computed, end, time.perf_counter())
+        seq.computed = end
+        load.cancel = asyncio.run_coroutine_threadsafe(self._read(seq, load), self.loop).cancel
+
+    async def _read(self, seq: Sequence, load: Load) -> None:
+        current_request_id.set(seq.request_id)  # this task's reads carry it to the kvstore service
+        self._staging_lock = self._staging_lock or asyncio.Lock()
+        L, blocks = len(self.latents.layers), load.end // self.B
+        async with self._staging_lock:
+            slots = Slots(self._buffer(pow2(blocks) * self.B), pow2(blocks) * self.B, asyncio.get_running_loop())
+            prefetch = self.store.prefetch(seq.job.hit.truncated(blocks), out=slots)
+            try:
+                for layer in range(L):
+                    self.completions.put(LayerRead(seq, load, layer, await prefetch.layer(layer), slots))
+                    self._wake()
+                await slots.all_placed(L)  # (the staging buffer is the next load's after that)
+            finally:
+                await prefetch.aclose()  # no read writes into the buffer any more
+
+    def _buffer(self, rows: int) -> np.ndarray:
+        g = self.cfg
+        if self._staging is None or self._staging.shape[1] < rows:
+            model = self.latents
+            self._staging = np.empty((g.read_ahead + 2, rows, model.latent_dim), model.dtype)
+            self.pinned = pin(self._staging, self.platform)
+            log.info("staging buffer: %d layers x %d tokens (%.0f MiB)%s", *self._staging.shape[:2],
+                     self._staging.nbytes / 2**20, ", page-locked" if self.pinned else "")
+        return self._staging
+
+    def place(self, read: LayerRead) -> bool:
+        """Puts a read layer into the sequence's pages (model thread) and frees its slot. A layer shorter than the
+        load (a block failed verification) cuts the load's `end` (and the sequence's computed tokens) to it;
+        returns whether it did (the caller's pass over the longer prefix must be done again)."""
+        seq, load, layer = read.seq, read.load, read.layer
+        if seq.load is not load:  # cancelled, or the sequence was preempted: nothing to place
+            read.slots.free(layer)
+            return False
+        B, start = self.B, load.start // self.B
+        valid = max(start, min(load.end // B, len(read.latents) // B))
+        cut = valid * B < load.end
+        if cut:
+            log.warning("request %s: cached prefix cut from %d to %d blocks (verification)", seq.request_id,
+                        load.end // B, valid)
+            self.metrics.cache_fallbacks.labels("verification").inc()
+            load.end = seq.computed = valid * B
+        if valid > start:
+            rows = read.slots.rows
+            staged = read.slots.buffer[layer % read.slots.buffer.shape[0], :rows]
+            # Rows past the valid ones (stale, or never read) must not reach the scratch page: attention masks their
+            # scores, but 0 x NaN in P.V would still poison every padded batch.
+            staged[valid * B:] = 0
+            targets = [SCRATCH_PAGE] * (rows // B)
+            targets[start:valid] = seq.pages[start:valid]
+            self.latents.place(layer, targets, staged).block_until_ready()  # copied off the slot
+        read.slots.free(layer)
+        load.placed = layer + 1
+        return cut
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stops the sequence's load (model thread): its layers are no longer placed; it counts as computed only
+        what it held before."""
+        load, seq.load = seq.load, None
+        if load is not None:
+            seq.computed = min(seq.computed, load.start)
+            load.cancel()
+
+    # -- saves --
+
+    def save(self, seq: Sequence, hashes: list[bytes], full: int) -> None:
+        """Hands blocks [saved_blocks, full) of the sequence to the store (model thread): the pages are copied on
+        the device here, the host copy and the disk write happen on the event loop's side."""
+        start = seq.saved_blocks
+        layers = self.latents.read(seq.pages[start:full])
+        seq.saved_blocks = full
+        # Counted as pending from here (not from when the loop starts it): a caller that saw the request's 'done'
+        # event and then reads pending_saves == 0 knows the blocks are published.
+        future = asyncio.run_coroutine_threadsafe(self._save(seq.job, hashes, layers, start), self.loop)
+        with self._saves_lock:
+            self.saves.add(future)
+        future.add_done_callback(self._saved)
+
+    def _saved(self, future) -> None:
+        with self._saves_lock:
+            self.saves.discard(future)
+
+    async def _save(self, job: Job, hashes: list[bytes], layers: list, start: int) -> None:
+        current_request_id.set(job.request_id)  # this task's writes carry it to the kvstore service
+        try:
+            host = await asyncio.to_thread(lambda: [self.latents.host(x) for x in layers])
+            result = await self.store.save(hashes, host, start_block=start, tenant=job.tenant, retention=job.retention)
+            self.metrics.saves.labels("ok").inc()
+            self.metrics.saved_blocks.inc(result.blocks)
+        except Exception as error:  # noqa: BLE001 - a failed save never fails the request
+            log.warning("request %s: saving %d blocks failed: %r", job.request_id, len(hashes) - start, error)
+            self.metrics.saves.labels("failed").inc()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Waits for pending saves (each publishes only durable data)."""
+        with self._saves_lock:
+            saves = [asyncio.wrap_future(f) for f in self.saves]
+        if saves:
+            _, pending = await asyncio.wait(saves, timeout=timeout_s)
+            for future in pending:
+                future.cancel()
