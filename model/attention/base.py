@@ -22,8 +22,9 @@ Invariants, kept by every backend (tests/test_attention_backends.py holds each o
    served weights', or float32 where `attn.wide`) and accumulate in float32; softmax runs in float32.
 3. No whole-context copy in decode: decode reads pages through the tables a key block at a time (or in place),
    never materialising a (B, context, A) array.
-4. Batch invariance where `batch_invariant`: a row's output bits depend on its own query, position and pages
-   only, not on the other rows of its batch, on the table's width, or on the batch's longest position.
+4. Batch invariance where `batch_invariant`: at one batch size (batch-invariant mode pads every batch to one), a
+   row's output bits depend on its own query, position and pages only, not on the other rows of its batch, on
+   the table's width, or on the batch's longest position.
 5. Explicit platform: a backend is chosen by name and platform (`make_backend`), not by where arrays live, so
    any platform's path can be traced and lowered anywhere.
 """
