@@ -80,7 +80,7 @@ def run_transformers(args, workdir: Path, lengths: list[int], build_model_dir: b
         import torch
         from transformers import DeepseekV3ForCausalLM
 
-        from bench.model_bench import hf_config
+        from bench.ttft_transformers import hf_config
         torch.manual_seed(0)
         model, model_dir = DeepseekV3ForCausalLM(hf_config(args.preset)).float().eval(), None
     results: dict = {}

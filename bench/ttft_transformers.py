@@ -1,8 +1,8 @@
 """ttft_bench, the do-it-yourself alternative: transformers' DeepseekV3ForCausalLM on CPU (float32, sdpa),
 a miss prefilled from scratch, a hit as torch.load of the prefix's DynamicCache + prefill of the suffix.
 
-The model is built with model_bench's `hf_config` and random weights; our converter turns the very same
-tensors into the model directory the stack serves, so both sides run identical weights.
+The model is built from a preset (`hf_config`) with random weights; our converter turns the very same tensors
+into the model directory the stack serves, so both sides run identical weights.
 """
 from __future__ import annotations
 
@@ -16,10 +16,30 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from bench.model_bench import hf_config
 from bench.ttft_client import FIRST_ID, LAST_ID
+from model.config import preset as preset_config
 
 HEADROOM_BYTES = 2 << 30  # left free for the rest of the machine when deciding whether a length fits
+
+
+def hf_config(name: str):
+    """transformers' DeepseekV3Config of our preset `name`: every layer dense, yarn rope."""
+    from transformers import DeepseekV3Config
+
+    cfg = preset_config(name)
+    yarn = cfg.rope_scaling
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        first_k_dense_replace=cfg.num_layers, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=64, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": yarn["factor"],
+                         "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+                         "mscale": yarn["mscale"], "mscale_all_dim": yarn["mscale_all_dim"],
+                         "beta_fast": 32, "beta_slow": 1},
+        attn_implementation="sdpa")
 
 
 class DiyTimes(NamedTuple):
