@@ -18,6 +18,7 @@ views powers of two (`view_bucket`), and compiles go to the persistent compilati
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Generator
 from functools import lru_cache, partial
 from typing import NamedTuple
@@ -31,6 +32,7 @@ from model.attention import AttentionBackend
 from model.attention.xla import DECODE_BLOCK_ROWS, key_block_for
 from model.config import ModelConfig
 from model.latent_pool import SCRATCH_PAGE, LatentPool, as_bits, pow2
+from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.transformer import DeepseekModel
 
 MIN_VIEW = 256  # rows: the smallest prefill view
@@ -407,6 +409,21 @@ class Runner:
         per_layer = len(chunks) + form.context_unit
         run = self._pass(slot_chunks, jnp.asarray(tables), max(ends), form, jnp.asarray(last_K), want_logits)
         return PrefillPass(L * per_layer, per_layer, run)
+
+    def warm_up(self, pages: list[int], n: int, segment_sizes: list[int], batches: list[int]) -> float:
+        """Compiles what a serving engine meets first, on `pages` (scratch work): a prompt's prefill and first token,
+        segments of the sizes a step takes, every decode batch with its sampler (a first compile stalls every
+        running stream; the compilation cache keeps them for the next process). Returns the seconds an n-token
+        prefill took once compiled."""
+        greedy = SamplingRow(SamplingParams(), 0, 0)
+        sample_batch(self.prefill([Segment(np.arange(1, 17), 0, pages)]).run(), [greedy])
+        for size in [n, *(size for size in segment_sizes if size < n)]:
+            self.prefill([Segment(np.arange(size) % self.cfg.vocab_size, 0, pages)]).run()
+        for batch in batches:
+            sample_batch(self.decode([DecodeRow(1, 16, pages)] * batch), [greedy] * batch)
+        begin = time.perf_counter()
+        np.asarray(self.prefill([Segment(np.arange(n) % self.cfg.vocab_size, 0, pages)]).run())
+        return time.perf_counter() - begin
 
     def _pass(self, chunks: list[_Chunk], tables_MQ, end: int, form, last_K, want_logits: bool) -> Generator:
         xs, context, end_ = [c.x_RD for c in chunks], None, jnp.asarray(end, jnp.int32)

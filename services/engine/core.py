@@ -11,13 +11,11 @@ or a load's deadline.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -26,34 +24,21 @@ from kvstore import cacheable_blocks, extend_block_hashes
 from model.attention import make_backend
 from model.grammar import GrammarState, TokenGrammar, default_tokenizer_json, token_grammar
 from model.latent_pool import LatentPool, pow2
-from model.runner import PrefillPass, Runner, Segment, DecodeRow
-from model.sampling import SamplingParams, SamplingRow, TokenLogprobs, request_seed, sample_batch
+from model.runner import DecodeRow, Runner
+from model.sampling import SamplingRow, TokenLogprobs, request_seed, sample_batch
 from model.serving import serving_model
 from model.weights import LoadedModel
 from services.engine.block_manager import BlockManager
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
+from services.engine.passes import Flight, Passes
 from services.engine.scheduler import Plan, SchedulePolicy, Scheduler
 from services.engine.sequence import Job, Sequence, Status
 from services.engine.step_cost import StepCost
 from services.engine.tiers import Tiers
 
 log = logging.getLogger(__name__)
-
-_GREEDY = SamplingParams()
-
-
-@dataclass(slots=True, eq=False)
-class Flight:
-    """A prefill pass under way: its segments, the sequences whose first token it samples, the pass, whether it
-    runs a slice a step, the time its units took so far, and since when it waits for a loading layer."""
-    group: list[tuple[Sequence, int]]
-    wanted: list[Sequence]
-    run: PrefillPass
-    sliced: bool
-    seconds: float = 0.0
-    waiting_since: float | None = None
 
 
 class QueueFull(Exception):
@@ -83,7 +68,7 @@ class Engine:
                                                                cfg.batch_invariant, cfg.prefill_step_ratio),
                                    self.runner)
         self._wake = threading.Event()
-        self.tiers = Tiers(cfg, cache, self.latents, metrics, self._wake.set, platform)
+        self.tiers = Tiers(cfg, cache, self.latents, self.blocks, metrics, self._wake.set, platform)
         self.cost = StepCost()  # measured step costs (model thread); size prefill segments by time
         self.stops = {g.eos_token_id}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -93,7 +78,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
         self._drop_hot: asyncio.Future | None = None  # an admin asked to empty the memory tier
-        self._flights: list[Flight] = []  # prefill passes in flight (model thread)
+        self.passes = Passes(self.runner, metrics)  # prefill passes in flight (model thread)
         self._thread = threading.Thread(target=self._serve, name="model", daemon=True)
         metrics.pool_pages.set(self.blocks.usable)
         metrics.pool_bytes.set(self.latents.bytes)
@@ -167,7 +152,7 @@ class Engine:
                 "loading": len(s.loading), "pending_saves": len(self.tiers.saves),
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "max_batch": self.cfg.max_batch,
                 "batch_invariant": self.cfg.batch_invariant, "attention_backend": self.runner.backend.name,
-                "prefill_pass_in_flight": any(f.sliced for f in self._flights),  # a sliced pass, some units done
+                "prefill_pass_in_flight": self.passes.slicing,  # a sliced pass, some units done
                 "staging_pinned": self.tiers.pinned,
                 "step_cost": {**self.cost.summary(), "prefill_step_ratio": self.cfg.prefill_step_ratio},
                 "pool": {"pages": b.usable, "page_tokens": self.B, "tokens": b.usable * self.B,
@@ -186,22 +171,19 @@ class Engine:
                     done, self._drop_hot = self._drop_hot, None
                     self.loop.call_soon_threadsafe(done.set_result, self.blocks.drop_hot())
                 self._take_inbox()
-                self._take_completions()
+                self.tiers.take(self.passes.abort)
                 for seq, memory in self.scheduler.admit():
                     self._admitted(seq, memory)
-                deadline = self._deadlines()
+                deadline = self.tiers.deadlines(self.scheduler.loading, self.prefill_tokens_per_s, self.passes.abort)
                 begin = time.perf_counter()
-                in_flight = [seq for f in self._flights for seq, _ in f.group]
-                if self._execute(self.scheduler.schedule(self.cost, in_flight, any(f.sliced for f in self._flights))):
+                if self._execute(self.scheduler.schedule(self.cost, self.passes.sequences, self.passes.slicing)):
                     self.metrics.step_seconds.inc(time.perf_counter() - begin)
                 else:
                     self._wake.wait(deadline)
             except Exception:  # noqa: BLE001 - a bug must fail its requests, not stop the engine
                 log.exception("engine step failed; failing the sequences in flight")
                 self.metrics.step_failures.inc()
-                for flight in self._flights:
-                    flight.run.close()
-                self._flights.clear()
+                self.passes.close()
                 for seq in [*self.scheduler.running]:
                     seq.emit({"type": "error", "message": "the engine failed this request's step"})
                     self._release(seq, "error")
@@ -219,26 +201,6 @@ class Engine:
             elif seq.status is Status.WAITING and seq not in self.scheduler.waiting:
                 self.scheduler.add(seq)
 
-    def _take_completions(self) -> None:
-        """Places the layers the tiers read; a layer cut short (verification) closes its sequence's pass, which
-        assumed the longer prefix; the last layer placed ends the load."""
-        while True:
-            try:
-                read = self.tiers.completions.get_nowait()
-            except queue.Empty:
-                return
-            seq, load = read.seq, read.load
-            if self.tiers.place(read):
-                self._abort(seq)
-                if load.end <= load.start:  # nothing left to read: a miss from here
-                    self.tiers.cancel(seq)
-            if seq.load is load and load.placed == len(self.latents.layers):
-                seq.load = None
-                if seq.preemptions == 0:
-                    seq.disk_tokens = load.end - load.start
-                seq.saved_blocks = max(seq.saved_blocks, load.end // self.B)
-                self._publish(seq)
-
     def _admitted(self, seq: Sequence, memory: list[int]) -> None:
         if seq.preemptions == 0:
             self._count(waiting=-1, active=1)
@@ -248,31 +210,12 @@ class Engine:
         if self.tiers.store is not None and usable * self.B > seq.computed:
             self.tiers.load(seq, usable * self.B)
 
-    def _deadlines(self) -> float | None:
-        """Falls back to recomputing a hit whose load has taken longer than recomputing it would (the hit is a loss
-        by then); returns the seconds to the next deadline (None: no load)."""
-        now, rate, soonest = time.perf_counter(), self.prefill_tokens_per_s, None
-        for seq in self.scheduler.loading:
-            load = seq.load
-            left = (max(0.5, self.cfg.prefetch_deadline_factor * (load.end - load.start) / rate) if rate
-                    else float("inf")) - (now - load.begin)
-            if left > 0:
-                soonest = left if soonest is None else min(soonest, left)
-                continue
-            log.warning("request %s: disk hit of %d tokens took over %.2f s; recomputing", seq.request_id,
-                        load.end - load.start, now - load.begin)
-            self.metrics.cache_fallbacks.labels("deadline").inc()
-            seq.stall_s += now - load.begin
-            self._abort(seq)
-            self.tiers.cancel(seq)
-        return soonest
-
     def _execute(self, plan: Plan) -> bool:
         """Runs the plan; returns whether anything was dispatched."""
         for seq in plan.preempted:
             log.info("pool full: preempted request %s (%d tokens)", seq.request_id, len(seq.tokens))
             self.metrics.preemptions.inc()
-            self._abort(seq)
+            self.passes.abort(seq)
             self.tiers.cancel(seq)
         for seq in plan.ended:
             self._finish(seq, "length")
@@ -285,11 +228,13 @@ class Engine:
             self.cost.decode.observe(len(plan.decoding), elapsed)
             self.metrics.decode_batch.observe(len(plan.decoding))
             self.metrics.decode_seconds.inc(elapsed)
-        fresh = [self._start(group, False) for group in plan.passes]
+        fresh = [self.passes.start(group, False) for group in plan.passes]
         if plan.sliced is not None:
-            self._start([plan.sliced], True)
-        for flight in [*fresh, *(f for f in self._flights if f not in fresh)]:
-            worked |= self._advance(flight, plan.slice_s if flight.sliced else None)
+            self.passes.start([plan.sliced], True)
+        for flight in [*fresh, *(f for f in self.passes.flights if f not in fresh)]:
+            worked |= self.passes.advance(flight, plan.slice_s if flight.sliced else None)
+            if flight.run.result is not None:
+                self._passed(flight)
         return worked
 
     def _decode(self, dispatch: list[Sequence]) -> None:
@@ -299,76 +244,10 @@ class Engine:
         logits = self.runner.decode(rows)  # dispatched: grammar masks are computed while it runs
         taken = self._sample(logits, dispatch)
         self.cost.dispatch.observe(*self.runner.decode_shape([r.position for r in rows]), time.perf_counter() - begin)
-        host = np.asarray(logits) if any(s.job.digest for s in dispatch) else None
-        for i, (seq, (token, logprobs)) in enumerate(zip(dispatch, taken)):
+        for seq in dispatch:
             seq.computed += 1
             self._publish(seq)
-            self._accept(seq, token, None if host is None else host[i], logprobs)
-
-    def _start(self, group: list[tuple[Sequence, int]], sliced: bool) -> Flight:
-        # Sequences whose prompt this pass completes come first: their logits are the pass's first rows.
-        group.sort(key=lambda item: not self._completes(*item))
-        wanted = [seq for seq, n in group if self._completes(seq, n)]
-        segments = [Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
-                    for seq, n in group]
-        flight = Flight(group, wanted, self.runner.prefill(segments, bool(wanted)), sliced)
-        self._flights.append(flight)
-        return flight
-
-    @staticmethod
-    def _completes(seq: Sequence, n: int) -> bool:
-        """Whether a segment of n tokens ends the sequence's prompt (its first token is then sampled)."""
-        return seq.generated == 0 and seq.computed + n == seq.target
-
-    def _ready(self, flight: Flight) -> bool:
-        """Whether the pass's next unit may run: the layer it computes is in the pages of every sequence loading."""
-        layer = flight.run.layer
-        ready = all(seq.load is None or seq.load.placed > layer for seq, _ in flight.group)
-        now = time.perf_counter()
-        if not ready and flight.waiting_since is None:
-            flight.waiting_since = now
-        elif ready and flight.waiting_since is not None:
-            for seq, _ in flight.group:
-                seq.stall_s += now - flight.waiting_since
-            flight.waiting_since = None
-        return ready
-
-    def _advance(self, flight: Flight, budget_s: float | None) -> bool:
-        """Runs the pass's next units while their layers are placed: without a budget all of them; with one, a unit
-        at a time, each waited for, until the next unit's expected time would end the slice farther past
-        `budget_s` than stopping now falls short of it (at least one unit): slices take their budget on average
-        whatever the units' size. Timed, so the cost model learns the whole pass's time (the sum of its slices).
-        Returns whether a unit was dispatched; a finished pass's sequences advance (`_passed`)."""
-        run, begin, dispatched, out = flight.run, time.perf_counter(), 0, None
-        while run.done < run.units and self._ready(flight):
-            out = run.step()
-            dispatched += 1
-            if any(seq.load is not None for seq, _ in flight.group):
-                self.metrics.overlapped_units.inc()
-            if budget_s is None:
-                continue
-            jax.block_until_ready(out)
-            spent = time.perf_counter() - begin
-            if run.done < run.units and spent + (flight.seconds + spent) / dispatched / 2 > budget_s:
-                break
-        if not dispatched:
-            return False
-        jax.block_until_ready(run.result if run.done == run.units else out)
-        flight.seconds += time.perf_counter() - begin
-        if flight.sliced:
-            self.metrics.prefill_slices.inc()
-        if run.done == run.units:
-            self._flights.remove(flight)
-            self._passed(flight)
-        return True
-
-    def _abort(self, seq: Sequence) -> None:
-        """Closes a pass in flight that `seq` is in (cancelled, finished, preempted, or its load cut: no later unit
-        may write into its pages). Its sequences keep their `computed`: they compute the segment again."""
-        for flight in [f for f in self._flights if any(s is seq for s, _ in f.group)]:
-            flight.run.close()
-            self._flights.remove(flight)
-            self.metrics.prefill_aborted.inc()
+        self._answer(logits, dispatch, taken)
 
     def _passed(self, flight: Flight) -> None:
         """A pass is done: its sequences advance, publish and save their progress; the first token of every
@@ -384,10 +263,12 @@ class Engine:
             if seq not in wanted and seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
                 self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
         if wanted:
-            logits = flight.run.result
-            host = np.asarray(logits) if any(seq.job.digest for seq in wanted) else None
-            for i, (seq, (token, logprobs)) in enumerate(zip(wanted, self._sample(logits, wanted))):
-                self._accept(seq, token, None if host is None else host[i], logprobs)
+            self._answer(flight.run.result, wanted, self._sample(flight.run.result, wanted))
+
+    def _answer(self, logits, seqs: list[Sequence], taken: list[tuple[int, TokenLogprobs | None]]) -> None:
+        host = np.asarray(logits) if any(seq.job.digest for seq in seqs) else None
+        for i, (seq, (token, logprobs)) in enumerate(zip(seqs, taken)):
+            self._accept(seq, token, None if host is None else host[i], logprobs)
 
     def _remaining(self, seq: Sequence) -> int:
         return min(seq.remaining, self.loaded.config.max_context - len(seq.tokens))
@@ -418,23 +299,11 @@ class Engine:
     def _accept(self, seq: Sequence, token: int, logits_V: np.ndarray | None = None,
                 logprobs: TokenLogprobs | None = None) -> None:
         if token in self.stops or token in seq.job.params.stop_token_ids:
-            self._finish(seq, "stop")
-            return
-        seq.tokens.append(token)
-        seq.generated += 1
-        event = {"type": "token", "id": token}
-        if logprobs is not None:
-            event["logprob"] = logprobs.logprob
-            event["top_logprobs"] = [[t, lp] for t, lp in logprobs.top]
-        if logits_V is not None:
-            event["logits_sha256"] = hashlib.sha256(np.ascontiguousarray(logits_V, np.float32).tobytes()).hexdigest()
+            return self._finish(seq, "stop")
+        seq.emit(seq.take(token, logits_V, logprobs))
         if seq.generated == 1:
-            seq.first_token_at = time.perf_counter()
-            event["cached_tokens"] = seq.memory_tokens + seq.disk_tokens
             tier = "disk" if seq.disk_tokens else "memory" if seq.memory_tokens else "miss"
             self.metrics.ttft.labels(tier).observe(seq.first_token_at - seq.arrival)
-        seq.emit(event)
-        if seq.generated == 1:
             self._save(seq)  # the prompt's blocks, once the first token is out
         if seq.grammar is not None and seq.grammar.stopped:
             self._finish(seq, "stop")  # only the end may follow: no EOS token is emitted
@@ -443,18 +312,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        now = time.perf_counter()
         self._release(seq, "ok")
         self.metrics.generated_tokens.inc(seq.generated)
-        done = {"type": "done", "finish_reason": reason, "prompt_tokens": seq.prompt_len,
-                "cached_tokens": seq.memory_tokens + seq.disk_tokens, "completion_tokens": seq.generated,
-                "tiers": {"memory": seq.memory_tokens, "disk": seq.disk_tokens},
-                "timing": {"ttft_s": (seq.first_token_at or now) - seq.arrival, "prefetch_stall_s": seq.stall_s,
-                           "loaded_bytes": self._disk_bytes(seq), "decode_s": now - (seq.first_token_at or now),
-                           "preemptions": seq.preemptions}}
-        if seq.grammar is not None:
-            done["grammar_complete"] = seq.grammar.complete
-        seq.emit(done)
+        seq.emit(seq.done_event(self._disk_bytes(seq)))
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.status is Status.WAITING and seq.preemptions == 0:
@@ -468,7 +328,7 @@ class Engine:
 
     def _release(self, seq: Sequence, outcome: str) -> None:
         """Publishes and saves what the sequence computed (unless its step failed), then frees its pages."""
-        self._abort(seq)
+        self.passes.abort(seq)
         self.tiers.cancel(seq)
         if seq.status is Status.RUNNING and outcome != "error":
             self._publish(seq)
@@ -507,31 +367,18 @@ class Engine:
     # -- start-up --
 
     def warm_up(self) -> None:
-        """Compiles the common shapes and measures prefill speed (for the load deadline), before the model thread
-        starts, on pages it frees again: a first compile stalls every running stream (once per machine: the
-        compilation cache keeps them)."""
-        g, runner = self.loaded.config, self.runner
+        """Compiles the common shapes and measures prefill speed (for the load deadline and the first step costs),
+        before the model thread starts, on pages it frees again."""
         n = min(self.cfg.chunk_tokens, 512, (self.blocks.usable - 1) * self.B)
         pages = self.blocks.allocate(-(-(n + 1) // self.B))
+        batches = [1 << i for i in range(pow2(self.cfg.max_batch).bit_length())]
         try:
-            logits = runner.prefill([Segment(np.arange(1, 17) % g.vocab_size, 0, pages)]).run()
-            sample_batch(logits, [SamplingRow(_GREEDY, 0, 0)])
-            long = [Segment(np.arange(n) % g.vocab_size, 0, pages)]
-            runner.prefill(long).run()
-            begin = time.perf_counter()
-            np.asarray(runner.prefill(long).run())
-            elapsed = time.perf_counter() - begin
-            self.prefill_tokens_per_s = n / elapsed
-            self.cost.prefill.observe(n, n, elapsed)  # the seed; segments among decoding streams refine it
-            # the segment sizes a step among decoding streams takes (their chunk shapes at any context)
-            for size in self.scheduler.policy.segment_sizes():
-                if size < n:
-                    runner.prefill([Segment(np.arange(size) % g.vocab_size, 0, pages)]).run()
-            sizes = [1 << i for i in range(pow2(self.cfg.max_batch).bit_length())]
-            for batch in sizes if not self.cfg.batch_invariant else sizes[-1:]:
-                sample_batch(runner.decode([DecodeRow(1, 16, pages)] * batch), [SamplingRow(_GREEDY, 0, 0)] * batch)
+            elapsed = self.runner.warm_up(pages, n, self.scheduler.policy.segment_sizes(),
+                                          batches[-1:] if self.cfg.batch_invariant else batches)
         finally:
             self.blocks.release(pages)
+        self.prefill_tokens_per_s = n / elapsed
+        self.cost.prefill.observe(n, n, elapsed)  # the seed; segments among decoding streams refine it
         log.info("warm: prefill %.0f tokens/s; pool %d pages (%d tokens, %.2f GiB); attention backend %s",
                  self.prefill_tokens_per_s, self.blocks.usable, self.blocks.usable * self.B,
-                 self.latents.bytes / 2**30, runner.backend.name)
+                 self.latents.bytes / 2**30, self.runner.backend.name)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -11,7 +12,7 @@ import numpy as np
 
 from kvstore import Hit, extend_block_hashes
 from model.grammar import GrammarState
-from model.sampling import SamplingParams
+from model.sampling import SamplingParams, TokenLogprobs
 
 
 class Job(NamedTuple):
@@ -107,6 +108,32 @@ class Sequence:
             self.hashes = extend_block_hashes(self.hashes, self.tokens, fingerprint, self.job.tenant_salt,
                                               block_tokens)
         return self.hashes[:blocks]
+
+    def take(self, token: int, logits_V: np.ndarray | None, logprobs: TokenLogprobs | None) -> dict[str, Any]:
+        """Appends a sampled token; returns its event for the stream."""
+        self.tokens.append(token)
+        self.generated += 1
+        event = {"type": "token", "id": token}
+        if logprobs is not None:
+            event["logprob"], event["top_logprobs"] = logprobs.logprob, [[t, lp] for t, lp in logprobs.top]
+        if logits_V is not None:
+            event["logits_sha256"] = hashlib.sha256(np.ascontiguousarray(logits_V, np.float32).tobytes()).hexdigest()
+        if self.generated == 1:
+            self.first_token_at = time.perf_counter()
+            event["cached_tokens"] = self.memory_tokens + self.disk_tokens
+        return event
+
+    def done_event(self, loaded_bytes: int) -> dict[str, Any]:
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        done = {"type": "done", "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_len,
+                "cached_tokens": self.memory_tokens + self.disk_tokens, "completion_tokens": self.generated,
+                "tiers": {"memory": self.memory_tokens, "disk": self.disk_tokens},
+                "timing": {"ttft_s": first - self.arrival, "prefetch_stall_s": self.stall_s,
+                           "loaded_bytes": loaded_bytes, "decode_s": now - first, "preemptions": self.preemptions}}
+        if self.grammar is not None:
+            done["grammar_complete"] = self.grammar.complete
+        return done
 
     def emit(self, event: dict[str, Any]) -> None:
         """Hands an event to the request's stream (callable from any thread)."""

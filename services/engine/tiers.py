@@ -27,6 +27,7 @@ import numpy as np
 
 from model.latent_pool import SCRATCH_PAGE, LatentPool, pow2
 from services.common.request_id import current_request_id
+from services.engine.block_manager import BlockManager
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
@@ -87,9 +88,9 @@ class LayerRead(NamedTuple):
 
 
 class Tiers:
-    def __init__(self, cfg: EngineConfig, cache: CacheLink, latents: LatentPool, metrics: EngineMetrics,
-                 wake: Callable[[], None], platform: str):
-        self.cfg, self.cache, self.latents, self.metrics = cfg, cache, latents, metrics
+    def __init__(self, cfg: EngineConfig, cache: CacheLink, latents: LatentPool, blocks: BlockManager,
+                 metrics: EngineMetrics, wake: Callable[[], None], platform: str):
+        self.cfg, self.cache, self.latents, self.blocks, self.metrics = cfg, cache, latents, blocks, metrics
         self.B, self.platform, self._wake = cfg.block_tokens, platform, wake
         self.loop: asyncio.AbstractEventLoop | None = None
         self.completions: queue.SimpleQueue[LayerRead] = queue.SimpleQueue()
@@ -165,6 +166,47 @@ class Tiers:
         read.slots.free(layer)
         load.placed = layer + 1
         return cut
+
+    def take(self, abort: Callable[[Sequence], None]) -> None:
+        """Places the layers read since (model thread). A layer cut short closes its sequence's pass (`abort`: it
+        assumed the longer prefix); the last layer placed ends the load, whose blocks then join the memory tier."""
+        while True:
+            try:
+                read = self.completions.get_nowait()
+            except queue.Empty:
+                return
+            seq, load = read.seq, read.load
+            if self.place(read):
+                abort(seq)
+                if load.end <= load.start:  # nothing left to read: a miss from here
+                    self.cancel(seq)
+            if seq.load is load and load.placed == len(self.latents.layers):
+                seq.load = None
+                if seq.preemptions == 0:
+                    seq.disk_tokens = load.end - load.start
+                seq.saved_blocks = max(seq.saved_blocks, load.end // self.B)
+                self.blocks.publish_sequence(seq)
+
+    def deadlines(self, loading: list[Sequence], tokens_per_s: float | None,
+                  abort: Callable[[Sequence], None]) -> float | None:
+        """Cancels the loads that have taken longer than recomputing their tokens would (at prefetch_deadline_factor
+        times `tokens_per_s`: the hit is a loss by then; `abort` closes the sequence's pass) and their sequences
+        compute the rest; returns the seconds to the next deadline (None: none)."""
+        now, soonest = time.perf_counter(), None
+        for seq in loading:
+            load = seq.load
+            left = (max(0.5, self.cfg.prefetch_deadline_factor * (load.end - load.start) / tokens_per_s)
+                    if tokens_per_s else float("inf")) - (now - load.begin)
+            if left > 0:
+                soonest = left if soonest is None else min(soonest, left)
+                continue
+            log.warning("request %s: disk hit of %d tokens took over %.2f s; recomputing", seq.request_id,
+                        load.end - load.start, now - load.begin)
+            self.metrics.cache_fallbacks.labels("deadline").inc()
+            seq.stall_s += now - load.begin
+            abort(seq)
+            self.cancel(seq)
+        return soonest
 
     def cancel(self, seq: Sequence) -> None:
         """Stops the sequence's load (model thread): its layers are no longer placed; it counts as computed only
