@@ -1,7 +1,8 @@
-"""decode_bench: one model step of the paged runner, in-process: decode batches and prefill segments,
+"""decode_bench: one model step of the runner (model/runner.py), in-process: decode batches and prefill segments,
 in the default mode and in batch-invariant mode (every decode batch padded to the engine's max batch,
-prefill cut into fixed segments), so the cost of invariance is measured, not guessed; and the engine's
-bfloat16 serving (model/serving.py) against float32 serving of the same weights.
+prefill cut into fixed segments), so the cost of invariance is measured, not guessed; the engine's
+bfloat16 serving (model/serving.py) against float32 serving of the same weights; and the same model over other
+attention backends and options (model/attention/).
 
     python -m bench.decode_bench [--preset mini] [--batches 1,2,4,16,64] [--context 512] [--repeats 5]
 
@@ -20,9 +21,10 @@ import numpy as np
 from bench import report
 from bench.moe_bench import median_seconds
 from model import cpu_kernels
+from model.attention import make_backend
 from model.config import preset
-from model.paged_runner import DecodeRow, LatentPool, PagedRunner
-from model.runner import _pow2
+from model.latent_pool import LatentPool, pow2
+from model.runner import DecodeRow, Runner, Segment
 from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.serving import serving_model
 from model.weights import init_model
@@ -30,7 +32,16 @@ from model.weights import init_model
 COMMAND = "python -m bench.decode_bench"
 _argmax = jax.jit(lambda logits_BV: jnp.argmax(logits_BV, axis=-1))
 DEFAULT_CONTEXT = 512
-MODES = ("default", "invariant", "float32", "xla_view", "xla_products", "float32_attention")
+MODES = ("default", "invariant", "float32", "xla_attention", "xla_products", "float32_attention")
+
+
+def backend(cfg, dtype: str, page: int, **cpu_options):
+    """The backend the engine picks on this CPU for a model served at `dtype`; where that is the cpu backend,
+    with `cpu_options` (kernels named on or off)."""
+    chosen = make_backend("auto", cfg, "cpu", dtype, page_tokens=page)
+    if chosen.name != "cpu" or not cpu_options:
+        return chosen
+    return make_backend("cpu", cfg, "cpu", dtype, page_tokens=page, **cpu_options)
 
 
 def measure(args) -> dict:
@@ -41,32 +52,36 @@ def measure(args) -> dict:
     pages_per_seq = -(-(args.context + 1) // B)
     batches = sorted(args.batches)
     pool = LatentPool(cfg, 1 + max(batches) * pages_per_seq + -(-args.prefill // B), B)
-    default = PagedRunner(model, cfg, pool)
-    invariant = PagedRunner(model, cfg, pool, fixed_batch=_pow2(args.max_batch))
-    float32 = PagedRunner(serving_model(checkpoint, "float32"), cfg, pool)
-    xla_view = PagedRunner(model, cfg, pool, decode_kernel=False)  # decode attention over gathered views
-    # products of 1-4 rows by XLA, not the few-row kernel
-    xla_products = PagedRunner(serving_model(checkpoint, "bfloat16", few_row_kernel=False), cfg, pool)
+    default = Runner(model, cfg, pool, backend(cfg, "bfloat16", B))
+    invariant = Runner(model, cfg, pool, backend(cfg, "bfloat16", B), fixed_batch=pow2(args.max_batch))
+    float32 = Runner(serving_model(checkpoint, "float32"), cfg, pool, backend(cfg, "float32", B))
+    # decode attention by the xla backend: each sequence's pages read through its table a key block at a time
+    xla_attention = Runner(model, cfg, pool, make_backend("xla", cfg, "cpu", "bfloat16", page_tokens=B))
+    # products of 1-4 rows by XLA, not the few-row kernel: the model's projections and attention's W_UK / W_UV
+    xla_products = Runner(serving_model(checkpoint, "bfloat16", few_row_kernel=False), cfg, pool,
+                          backend(cfg, "bfloat16", B, few_rows=False))
     # decode attention on the kernel's float32 path (its path before the AMX one, and on CPUs without AMX), where
     # the kernel builds, even on a CPU where XLA serves
     kernel = cpu_kernels.available("cpu")[0] and cpu_kernels.supports(cfg.latent_dim, cfg.kv_lora_rank)
-    float32_attention = PagedRunner(model, cfg, pool, decode_kernel=kernel or None, decode_kernel_path="float32")
+    float32_attention = Runner(model, cfg, pool, make_backend("cpu", cfg, "cpu", "bfloat16", page_tokens=B,
+                                                              decode_kernel=True, decode_path="float32")
+                               if kernel else backend(cfg, "bfloat16", B))
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(max(batches))]
     rng = np.random.default_rng(0)
     for table in tables:  # every sequence holds a context of --context tokens
-        default.prefill(rng.integers(0, cfg.vocab_size, args.context), 0, table, False)
+        default.prefill([Segment(rng.integers(0, cfg.vocab_size, args.context), 0, table)], want_logits=False).run()
     greedy = SamplingRow(SamplingParams(), 0, 0)
     out = {"preset": args.preset, "context": args.context, "max_batch": args.max_batch, "machine": report.machine(),
-           "decode_kernel": default.decode_kernel, "few_row_kernel": model.head.lm_head.few_rows,
+           "backend": default.backend.name, "decode_kernel": getattr(default.backend, "decode_kernel", False),
+           "few_row_kernel": model.head.lm_head.few_rows,
            "few_rows_max": cpu_kernels.few_rows_max(), "amx": cpu_kernels.decode_amx_available(),
-           "cpu_kind": cpu_kernels.cpu_kind(),
+           "cpu_kind": cpu_kernels.cpu_kind(), "float32_attention_kernel": kernel,
            "load_average_start": os.getloadavg()[0], "decode": {}, "prefill": {}}
+    runners = dict(zip(MODES, (default, invariant, float32, xla_attention, xla_products, float32_attention)))
     for n in batches:
         rows = [DecodeRow(5, args.context, tables[i]) for i in range(n)]
         step = {}
-        for name, runner in (("default", default), ("invariant", invariant), ("float32", float32),
-                             ("xla_view", xla_view), ("xla_products", xla_products),
-                             ("float32_attention", float32_attention)):
+        for name, runner in runners.items():
             step[name] = median_seconds(lambda: sample_batch(runner.decode(rows), [greedy] * n), args.repeats)
         out["decode"][str(n)] = step | {f"tokens_per_s_{name}": n / step[name] for name in MODES}
         # The host's share of a step: time until decode() has dispatched (Python before the device runs), and
@@ -77,31 +92,28 @@ def measure(args) -> dict:
             "greedy_s": median_seconds(lambda: sample_batch(logits, [greedy] * n).tokens, args.repeats),
             "argmax_s": median_seconds(lambda: np.asarray(_argmax(logits))[:n], args.repeats)}
         print(f"decode batch {n}: {step['default'] * 1000:.1f} ms default, {step['invariant'] * 1000:.1f} ms "
-              f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_view'] * 1000:.1f} ms xla view, "
-              f"{step['xla_products'] * 1000:.1f} ms xla products, {step['float32_attention'] * 1000:.1f} ms float32 "
-              f"attention; dispatch "
-              f"{out['decode'][str(n)]['dispatch_s'] * 1000:.2f} ms, greedy {out['decode'][str(n)]['greedy_s'] * 1000:.2f} "
-              f"ms (jnp.argmax {out['decode'][str(n)]['argmax_s'] * 1000:.2f} ms)", flush=True)
+              f"invariant, {step['float32'] * 1000:.1f} ms float32, {step['xla_attention'] * 1000:.1f} ms xla "
+              f"attention, {step['xla_products'] * 1000:.1f} ms xla products, "
+              f"{step['float32_attention'] * 1000:.1f} ms float32 attention; dispatch "
+              f"{out['decode'][str(n)]['dispatch_s'] * 1000:.2f} ms, greedy "
+              f"{out['decode'][str(n)]['greedy_s'] * 1000:.2f} ms (jnp.argmax "
+              f"{out['decode'][str(n)]['argmax_s'] * 1000:.2f} ms)", flush=True)
     prompt = rng.integers(0, cfg.vocab_size, args.prefill)
     table = list(range(1 + max(batches) * pages_per_seq, pool.num_pages))
 
-    def segments(size: int, runner: PagedRunner, keep: bool):
+    def segments(size: int, runner: Runner):
         def run():
-            context = object() if keep else None  # the sequence, as the engine gives it (not in invariant mode)
             for start in range(0, args.prefill, size):
                 end = min(args.prefill, start + size)
-                last = end == args.prefill
-                logits = runner.prefill(prompt[start:end], start, table, last, context, keep=keep and not last)
+                logits = runner.prefill([Segment(prompt[start:end], start, table)],
+                                        want_logits=end == args.prefill).run()
             np.asarray(logits)
         return run
 
-    for name, size, runner, keep in (("solo", args.solo_tokens, default, False),
-                                     ("invariant", args.step_tokens, default, False),
-                                     ("kept", args.step_tokens, default, True),
-                                     ("float32", args.solo_tokens, float32, False)):
-        out["prefill"][name] = {"segment_tokens": size,
-                                "seconds": median_seconds(segments(size, runner, keep), args.repeats)}
-        print(f"prefill {args.prefill} tokens in {size}-token segments{', kept' if keep else ''}: "
+    for name, size, runner in (("solo", args.solo_tokens, default), ("invariant", args.step_tokens, default),
+                               ("float32", args.solo_tokens, float32)):
+        out["prefill"][name] = {"segment_tokens": size, "seconds": median_seconds(segments(size, runner), args.repeats)}
+        print(f"prefill {args.prefill} tokens in {size}-token segments ({name}): "
               f"{out['prefill'][name]['seconds']:.2f} s", flush=True)
     out["load_average_end"] = os.getloadavg()[0]
     return out
@@ -111,14 +123,14 @@ def write(result: dict) -> None:
     rows = [[n, f"{d['default'] * 1000:.1f}", f"{d['tokens_per_s_default']:.1f}", f"{d['invariant'] * 1000:.1f}",
              f"{d['tokens_per_s_invariant']:.1f}", f"{d['invariant'] / d['default']:.2f}x",
              f"{d['float32'] * 1000:.1f}", f"{d['float32'] / d['default']:.2f}x",
-             f"{d['xla_view'] * 1000:.1f}", f"{d['xla_view'] / d['default']:.2f}x",
+             f"{d['xla_attention'] * 1000:.1f}", f"{d['xla_attention'] / d['default']:.2f}x",
              f"{d['xla_products'] * 1000:.1f}", f"{d['xla_products'] / d['default']:.2f}x",
              f"{d['float32_attention'] * 1000:.1f}", f"{d['float32_attention'] / d['default']:.2f}x"]
             for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0]))]
     p = result["prefill"]
     one = result["decode"].get("1")
-    scaling = [f"- decode tokens/s at batch {n} / batch 1: {d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x "
-               f"(float32 serving: {d['tokens_per_s_float32'] / one['tokens_per_s_float32']:.2f}x)"
+    scaling = [f"- decode tokens/s at batch {n} / batch 1: "
+               f"{d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x (float32 serving: {d['tokens_per_s_float32'] / one['tokens_per_s_float32']:.2f}x)"
                for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0])) if one and n != "1"]
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
@@ -127,30 +139,29 @@ def write(result: dict) -> None:
             "serving (model/serving.py: projections stored (out, in) in bfloat16, float32 accumulation; decode "
             "attention on bf16 latents); float32: the same weights served in float32 (`--dtype float32`). "
             f"Invariant mode pads each decode batch to {result['max_batch']} rows. Decode attention: "
-            + ("the CPU kernel over the pages in place (model/cpu_kernels.py; its best path here, AMX tile products "
-               "where the CPU has AMX); float32 attention: the same model with the kernel's float32 path; xla view: "
-               "the same model with attention by XLA's products over gathered dense views (as on a GPU/TPU, or "
-               "without a compiler)."
-               if result.get("decode_kernel") else "XLA's products over gathered views (the CPU kernel was "
-               "unavailable), in every column.")
+            + ("the cpu backend's kernel reading the pages in place (model/attention/cpu.py; its best path here, "
+               "AMX tile products where the CPU has AMX); float32 attention: the same model with the kernel's "
+               "float32 path; xla attention: the same model over the xla backend (model/attention/xla.py: each "
+               "sequence's pages read through its table a key block at a time, as on a GPU/TPU)."
+               if result.get("decode_kernel") else "the xla backend's (each sequence's pages read through its "
+               "table a key block at a time; the CPU kernel does not serve here) in every column but float32 "
+               "attention, " + ("the kernel's float32 path." if result.get("float32_attention_kernel")
+                                else "the same (the kernel does not build here)."))
             + (f" Products of 1-{result.get('few_rows_max', 4)} rows (decode batches of as many sequences): our "
-               "few-row kernel (model/cpu_kernels.py); xla products: the same model with XLA's bfloat16 products "
-               "there (one row computed as two)."
+               "few-row kernel (model/cpu_kernels.py), the projections' and attention's W_UK / W_UV; xla "
+               "products: the same model with XLA's products there (the projections' in bfloat16, one row "
+               "computed as two; W_UK / W_UV in float32)."
                if result.get("few_row_kernel") else " Products: XLA's in every column (the few-row kernel was "
                "unavailable, or does not serve on a CPU without AVX-512 or AMX)."), "",
             report.markdown_table(["batch", "default step ms", "default tok/s", "invariant step ms",
                                    "invariant tok/s", "invariant / default", "float32 step ms",
-                                   "float32 / bfloat16", "xla view step ms", "xla view / default",
+                                   "float32 / bfloat16", "xla attention step ms", "xla attention / default",
                                    "xla products step ms", "xla products / default",
                                    "float32 attention step ms", "float32 attention / default"], rows), "",
             f"Prefill of {result['prefill_tokens']} tokens: {p['solo']['seconds']:.2f} s in "
             f"{p['solo']['segment_tokens']}-token segments (default, nothing else running), "
             f"{p['invariant']['seconds']:.2f} s in {p['invariant']['segment_tokens']}-token segments (invariant "
-            f"mode's fixed cuts): {p['invariant']['seconds'] / p['solo']['seconds']:.2f}x"
-            + (f"; the same cuts keeping the expanded form's keys and values from one segment for the next (the "
-               f"default mode's long prompts over gathered views: PagedRunner's `keep`): {p['kept']['seconds']:.2f} s "
-               f"({p['kept']['seconds'] / p['solo']['seconds']:.2f}x)" if "kept" in p else "")
-            + "; served in float32, "
+            f"mode's fixed cuts): {p['invariant']['seconds'] / p['solo']['seconds']:.2f}x; served in float32, "
             f"{p['float32']['seconds']:.2f} s in {p['float32']['segment_tokens']}-token segments "
             f"({p['float32']['seconds'] / p['solo']['seconds']:.2f}x bfloat16's).", "", *scaling]
     host = [[n, f"{d['dispatch_s'] * 1000:.2f}", f"{d['greedy_s'] * 1000:.2f}", f"{d['argmax_s'] * 1000:.2f}",
