@@ -1,13 +1,14 @@
 """prefill_kernel_bench: the prefill attention kernel (model/kernels/mla_prefill_attention.cc) against XLA's
-attention, in-process, side by side: one layer's attention alone, and whole prefill segments of a paged
-runner (the engine's model) with the kernel and without it.
+attention, in-process, side by side: one layer's attention alone, and whole prefill segments of the runner (the
+engine's model) over the cpu backend with the kernel and over the xla backend.
 
     python -m bench.prefill_kernel_bench [--preset mini] [--repeats 3] [--quick]
 
-Without the kernel the runner picks absorbed or expanded attention by its FLOP rule (`prefer_absorbed`), as it
-did before the kernel; with it, attention is always absorbed. Each row is the median over --repeats runs,
-kernel and XLA alternating. A segment of n tokens at context S is tokens [S - n, S) of a prompt whose first
-S - n tokens are already in the pool (a hit's suffix, or a chunk of a long prompt).
+Over the xla backend the runner picks absorbed or expanded attention by its FLOP rule (`prefer_absorbed`); the cpu
+backend with the kernel picks between the kernel's two forms by the same rule, and runs beside its absorbed form
+alone. Each row is the median over --repeats runs, kernel and XLA alternating. A segment of n tokens at context S
+is tokens [S - n, S) of a prompt whose first S - n tokens are already in the pool (a hit's suffix, or a chunk of a
+long prompt). Runs only where the kernel is available (AMX).
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import numpy as np
 
 from bench import report
 from model import cpu_kernels
+from model.attention import make_backend
 from model.config import preset
-from model.mla import prefer_absorbed
-from model.paged_runner import LatentPool, PagedRunner
-from model.runner import enable_compilation_cache
+from model.latent_pool import LatentPool
+from model.runner import Runner, Segment, enable_compilation_cache, view_bucket
 from model.serving import serving_model
 from model.weights import init_model
 
@@ -32,6 +33,7 @@ COMMAND = "python -m bench.prefill_kernel_bench"
 LAYER_CASES = ((16, 2048), (64, 2048), (64, 8192), (64, 16384), (256, 8192), (1024, 8192))
 SEGMENT_CASES = ((64, 8192), (256, 8192), (1024, 8192), (2048, 2048), (2048, 16384))
 QUICK = ((32, 256), (64, 512))  # --quick: the same steps at small sizes (tests)
+PAGE = 64  # tokens per page: the kernel reads pages of whole 64-row steps
 
 
 def alternate(fns: dict, repeats: int) -> dict[str, float]:
@@ -46,49 +48,63 @@ def alternate(fns: dict, repeats: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def layer_attention(cfg, kernel_model, xla_model, T: int, S: int, repeats: int) -> dict:
+def form_name(backend, n: int, S: int, choice: str = "auto") -> str:
+    """"absorbed" or "expanded": the form `backend` gives a segment of n tokens ending at S."""
+    return "absorbed" if backend.prefill_form(n, view_bucket(S, PAGE), choice).name in ("absorbed", "pages") \
+        else "expanded"
+
+
+def layer_attention(cfg, model, kernel, xla, T: int, S: int, repeats: int) -> dict:
+    """One layer's attention of T queries at positions [S - T, S) over S rows of random latents in S / PAGE pages:
+    the backend's context for the layer, then the chunk's attention (queries to per-head values)."""
     rng = np.random.default_rng(T + S)
     N, H, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    q_nope = jnp.asarray(rng.standard_normal((N, T, H)), jnp.bfloat16)
-    q_pe = jnp.asarray(rng.standard_normal((N, T, R)), jnp.bfloat16)
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((S, cfg.latent_dim)), jnp.bfloat16), jnp.uint16)
-    positions = jnp.asarray(S - T + np.arange(T), jnp.int32)
-    absorbed = prefer_absorbed(cfg, T, S)
+    q_nope_NTH = jnp.asarray(rng.standard_normal((N, T, H)), jnp.bfloat16)
+    q_pe_NTR = jnp.asarray(rng.standard_normal((N, T, R)), jnp.bfloat16)
+    latents_SA = jnp.asarray(rng.standard_normal((S, cfg.latent_dim)), jnp.bfloat16)
+    pool_PBA = jax.lax.bitcast_convert_type(latents_SA, jnp.uint16).reshape(S // PAGE, PAGE, cfg.latent_dim)
+    tables_MQ = jnp.arange(S // PAGE, dtype=jnp.int32)[None]  # (1, pages): one tile's table
+    positions_MT = jnp.asarray(S - T + np.arange(T), jnp.int32)[None]
+    end = jnp.asarray(S, jnp.int32)
+    attn = model.layers[0].attn
+    xla_form = xla.prefill_form(T, view_bucket(S, PAGE)).name
 
-    def attention(model, form_absorbed):
-        attn = model.layers[0].attn
-
-        def run(q_nope, q_pe, positions, bits):
-            expanded = None if form_absorbed else attn.expand(bits, S, attn.w_uk.dtype)
-            return attn.attend(q_nope, q_pe, positions, bits, S, expanded)
+    def attention(backend, form: str):
+        def run(q_nope_NTH, q_pe_NTR, positions_MT, pool_PBA, tables_MQ, end):
+            context = backend.prefill_context(attn, pool_PBA, tables_MQ, end, form,
+                                              backend.context_buffer(form, S, None))
+            return backend.prefill_attend(attn, q_nope_NTH, q_pe_NTR, positions_MT, pool_PBA, tables_MQ, context,
+                                          form)
         f = jax.jit(run)
-        return lambda: jax.block_until_ready(f(q_nope, q_pe, positions, bits))
+        return lambda: jax.block_until_ready(f(q_nope_NTH, q_pe_NTR, positions_MT, pool_PBA, tables_MQ, end))
 
-    seconds = alternate({"kernel": attention(kernel_model, True), "xla": attention(xla_model, absorbed)}, repeats)
-    return {"tokens": T, "context": S, "xla_form": "absorbed" if absorbed else "expanded", **seconds}
+    # the kernel's absorbed form ("pages": reading the pages in place)
+    kernel_form = kernel.prefill_form(T, view_bucket(S, PAGE), "absorbed").name
+    seconds = alternate({"kernel": attention(kernel, kernel_form), "xla": attention(xla, xla_form)}, repeats)
+    return {"tokens": T, "context": S, "xla_form": xla_form, **seconds}
 
 
-def segments(cfg, kernel_model, xla_model, cases, repeats: int) -> list[dict]:
+def segments(cfg, model, kernel, xla, cases, repeats: int) -> list[dict]:
     longest = max(S for _, S in cases)
-    pool = LatentPool(cfg, longest // 64 + 8, 64)
-    runners = {"kernel": PagedRunner(kernel_model, cfg, pool), "absorbed": PagedRunner(kernel_model, cfg, pool),
-               "xla": PagedRunner(xla_model, cfg, pool)}
-    runners["absorbed"].dense.attention = "absorbed"  # the kernel's absorbed form whatever the FLOP rule says
-    pages = list(range(1, longest // 64 + 2))
+    pool = LatentPool(cfg, longest // PAGE + 8, PAGE)
+    runners = {"kernel": Runner(model, cfg, pool, kernel),
+               "absorbed": Runner(model, cfg, pool, kernel, form="absorbed"),  # the kernel's absorbed form alone
+               "xla": Runner(model, cfg, pool, xla)}
+    pages = list(range(1, longest // PAGE + 2))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, longest)
     filled = 0
     out = []
     for n, S in sorted(cases, key=lambda c: c[1]):
         while filled < S - n:  # the context before the segment, once, by the kernel's runner
             end = min(S - n, filled + 2048)
-            jax.block_until_ready(runners["kernel"].prefill(tokens[filled:end], filled, pages, False))
+            jax.block_until_ready(runners["kernel"].prefill([Segment(tokens[filled:end], filled, pages)],
+                                                            want_logits=False).run())
             filled = end
-        fns = {name: (lambda r=r: jax.block_until_ready(r.prefill(tokens[S - n:S], S - n, pages, True)))
+        fns = {name: (lambda r=r: jax.block_until_ready(r.prefill([Segment(tokens[S - n:S], S - n, pages)]).run()))
                for name, r in runners.items()}
         seconds = alternate(fns, repeats)
-        form = "absorbed" if runners["kernel"].prefill_absorbed(n, S) else "expanded"
-        out.append({"tokens": n, "context": S, "kernel_form": form,
-                    "xla_form": "absorbed" if prefer_absorbed(cfg, n, S) else "expanded", **seconds})
+        form = form_name(kernel, n, S)
+        out.append({"tokens": n, "context": S, "kernel_form": form, "xla_form": form_name(xla, n, S), **seconds})
         print(f"segment {n} tokens at {S}: kernel ({form}) {seconds['kernel'] * 1e3:.0f} ms, kernel absorbed "
               f"{seconds['absorbed'] * 1e3:.0f} ms, XLA {seconds['xla'] * 1e3:.0f} ms "
               f"({seconds['xla'] / seconds['kernel']:.2f}x)", flush=True)
@@ -101,19 +117,19 @@ def measure(args) -> dict:
         raise SystemExit("prefill_kernel_bench: the prefill attention kernel is unavailable here (it needs AMX)")
     enable_compilation_cache()
     cfg = preset(args.preset)
-    checkpoint = init_model(cfg)
-    kernel_model = serving_model(checkpoint, "bfloat16")
-    xla_model = serving_model(checkpoint, "bfloat16", prefill_kernel=False)
-    if not kernel_model.layers[0].attn.prefill_kernel:
+    if not cpu_kernels.prefill_attention_supports(cfg.latent_dim, cfg.kv_lora_rank):
         raise SystemExit(f"prefill_kernel_bench: the kernel does not take {args.preset}'s latent widths")
+    model = serving_model(init_model(cfg), "bfloat16")
+    kernel = make_backend("cpu", cfg, "cpu", "bfloat16", page_tokens=PAGE, prefill_kernel=True)
+    xla = make_backend("xla", cfg, "cpu", "bfloat16", page_tokens=PAGE)
     out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
-           "repeats": args.repeats, "layer": [], "segments": []}
+           "repeats": args.repeats, "layers": cfg.num_layers, "layer": [], "segments": []}
     for T, S in QUICK if args.quick else LAYER_CASES:
-        row = layer_attention(cfg, kernel_model, xla_model, T, S, args.repeats)
+        row = layer_attention(cfg, model, kernel, xla, T, S, args.repeats)
         out["layer"].append(row)
         print(f"one layer's attention, {T} tokens at {S}: kernel {row['kernel'] * 1e3:.2f} ms, XLA ({row['xla_form']}) "
               f"{row['xla'] * 1e3:.2f} ms ({row['xla'] / row['kernel']:.2f}x)", flush=True)
-    out["segments"] = segments(cfg, kernel_model, xla_model, QUICK if args.quick else SEGMENT_CASES, args.repeats)
+    out["segments"] = segments(cfg, model, kernel, xla, QUICK if args.quick else SEGMENT_CASES, args.repeats)
     out["load_average_end"] = os.getloadavg()[0]
     return out
 
@@ -127,13 +143,15 @@ def write(result: dict) -> None:
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Model `{result['preset']}` served in bfloat16, in-process; median of {result['repeats']} runs each, "
-            "kernel and XLA alternating. Kernel: attention by our AMX flash-attention kernel: one layer's, always the "
-            "absorbed form (the dense runner's); a paged runner's segment, the form its FLOP rule picks (the "
-            "expanded one computes each head's keys and values from the pages on the tiles), beside the kernel's "
-            "absorbed form alone. XLA: the same model without it, in the form the runner picks by its FLOP rule.", "",
-            "One layer's attention (queries to output projection; the expanded form includes expanding K and V):", "",
+            "kernel and XLA alternating. Kernel: attention by the cpu backend with our AMX flash-attention kernel "
+            "reading the pages in place: one layer's, the absorbed form; a runner's segment, the form its FLOP rule "
+            "picks (the expanded one computes each head's keys and values from the pages on the tiles), beside the "
+            "kernel's absorbed form alone. XLA: the same model over the xla backend (each layer's pages gathered "
+            "into a view), in the form its FLOP rule picks.", "",
+            "One layer's attention (queries to per-head values; the expanded form includes expanding K and V):", "",
             report.markdown_table(["tokens", "context", "kernel ms", "XLA ms", "XLA form", "XLA / kernel"], layer),
-            "", "A paged runner's prefill segment (the whole model, 8 layers, logits of the last token):", "",
+            "", f"A runner's prefill segment (the whole model, {result.get('layers', 8)} layers, logits of the last "
+            "token):", "",
             report.markdown_table(["tokens", "context", "kernel form", "kernel ms", "absorbed kernel ms",
                                    "absorbed / kernel", "XLA ms", "XLA form", "XLA / kernel"], segs)]
     body.append(f"\n![prefill_kernel_bench](bench/results/{plot(result)})")
