@@ -1,13 +1,13 @@
-"""prefill_passes: several sequences' prefill segments in one pass (PagedRunner.prefill_segments) against the
-same segments computed one by one (PagedRunner.prefill), in-process, on the engine's bfloat16-served model.
+"""prefill_passes: several sequences' prefill segments in one pass (`Runner.prefill` of all of them) against the
+same segments computed one by one (`Runner.prefill` of each), in-process, on the engine's bfloat16-served model.
 
     python -m bench.prefill_passes [--preset mini] [--repeats 5]
 
 Each case is a list of segments (tokens, start: the sequence's earlier tokens are already in its pages).
 Both ways run side by side in one process, alternating; every number is the median over --repeats runs.
-This is what sets which segments the engine batches (`PagedRunner.batchable`): short ones. Where the CPU's
-prefill attention kernel reads the pages in place (the engine's default), both ways also run with it over
-gathered views (`PagedRunner(prefill_in_place=False)`, how a pass computed attention before).
+This is what sets which segments the engine batches (`Runner.batchable`): short ones. Where the cpu backend's
+prefill attention kernel reads the pages in place (the engine's default on a CPU with AMX), both ways also run
+with the kernel off, over xla's gathered views (each tile's pages gathered into a view per layer).
 """
 from __future__ import annotations
 
@@ -18,12 +18,15 @@ import numpy as np
 
 from bench import report
 from bench.moe_bench import median_seconds
+from model.attention import make_backend
 from model.config import preset
-from model.paged_runner import LatentPool, PagedRunner, Segment
+from model.latent_pool import LatentPool
+from model.runner import Runner, Segment
 from model.serving import serving_model
 from model.weights import init_model
 
 COMMAND = "python -m bench.prefill_passes"
+PAGE = 64
 CASES = {  # name -> [(segment tokens, start)]
     "8 x 64 at 0": [(64, 0)] * 8,
     "8 x 30..64 at 0..700": [(40, 0), (64, 64), (60, 128), (50, 300), (50, 700), (64, 0), (30, 200), (45, 500)],
@@ -38,26 +41,30 @@ CASES = {  # name -> [(segment tokens, start)]
 
 def measure(args) -> dict:
     cfg = preset(args.preset)
-    model, pool = serving_model(init_model(cfg), "bfloat16"), LatentPool(cfg, 256, 64)
-    runner = PagedRunner(model, cfg, pool)
-    views = PagedRunner(model, cfg, pool, prefill_in_place=False) if runner.prefill_reads_pages else None
+    model, pool = serving_model(init_model(cfg), "bfloat16"), LatentPool(cfg, 256, PAGE)
+    backend = make_backend("auto", cfg, "cpu", "bfloat16", page_tokens=PAGE)
+    runner = Runner(model, cfg, pool, backend)
+    in_place = getattr(backend, "prefill_kernel", False)
+    views = (Runner(model, cfg, pool, make_backend("cpu", cfg, "cpu", "bfloat16", page_tokens=PAGE,
+                                                   prefill_kernel=False)) if in_place else None)
     rng = np.random.default_rng(0)
     out = {"preset": args.preset, "machine": report.machine(), "load_average_start": os.getloadavg()[0],
-           "in_place": runner.prefill_reads_pages, "cases": {}}
+           "backend": backend.name, "in_place": in_place, "cases": {}}
     for name, specs in CASES.items():
         segments, page = [], 1
         for n, start in specs:
-            pages = list(range(page, page + -(-(start + n) // 64)))
+            pages = list(range(page, page + -(-(start + n) // PAGE)))
             page += len(pages)
             tokens = rng.integers(0, cfg.vocab_size, start + n)
             if start:
-                runner.prefill(tokens[:start], 0, pages, False)
+                runner.prefill([Segment(tokens[:start], 0, pages)], want_logits=False).run()
             segments.append(Segment(tokens[start:], start, pages))
+
         def one_pass(r=runner):
-            return r.prefill_segments(segments)
+            return r.prefill(segments).run()
 
         def alone(r=runner):
-            return [r.prefill(s.tokens, s.start, s.pages, True) for s in segments]
+            return [r.prefill([s]).run() for s in segments]
 
         tokens = sum(n for n, _ in specs)
         case = {"segments": specs, "tokens": tokens, "pass_s": median_seconds(one_pass, args.repeats),
@@ -86,10 +93,12 @@ def write(result: dict) -> None:
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
             f"Model `{result['preset']}` served in bfloat16; segments (tokens at a start position, the earlier "
-            "tokens already in the sequence's pages) in one `prefill_segments` pass against one `prefill` each; "
-            "medians, side by side in one process. Attention: the CPU's prefill kernel reading the pages in place "
-            "(the engine's default), and beside it the same kernel over gathered views, each tile of a pass in "
-            "XLA's loop (how a pass computed it before; `PagedRunner(prefill_in_place=False)`).", "",
+            "tokens already in the sequence's pages) in one `Runner.prefill` pass of all of them against one pass "
+            "each; medians, side by side in one process. Attention: "
+            + ("the cpu backend's prefill kernel reading the pages in place (the engine's default), and beside it "
+               "the same backend with the kernel off: each tile's pages gathered into a view, in XLA's loop."
+               if result.get("in_place") else f"the {result.get('backend', 'xla')} backend's, each tile's pages "
+               "gathered into a view (the prefill kernel does not serve here)."), "",
             report.markdown_table(["segments", "tokens", "one pass ms", "us/token", "one pass, gathered views ms",
                                    "views / in place", "one by one ms", "us/token", "one by one, gathered views ms",
                                    "views / in place", "one by one / one pass"], rows),
