@@ -22,9 +22,11 @@ import numpy as np
 
 from bench import report
 from bench.moe_bench import median_seconds
+from model.attention import make_backend
 from model.config import preset
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
-from model.paged_runner import DecodeRow, LatentPool, PagedRunner
+from model.latent_pool import LatentPool
+from model.runner import DecodeRow, Runner, Segment
 from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.serving import serving_model
 from model.weights import init_model
@@ -142,11 +144,11 @@ def steps(args) -> dict:
     pages_per_seq = -(-(args.context + 2 * args.repeats + 8) // B)
     n_max = max(args.batches)
     pool = LatentPool(cfg, 1 + n_max * pages_per_seq, B)
-    runner = PagedRunner(model, cfg, pool)
+    runner = Runner(model, cfg, pool, make_backend("auto", cfg, "cpu", "bfloat16", page_tokens=B))
     tables = [list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq)) for i in range(n_max)]
     rng = np.random.default_rng(0)
     for table in tables:
-        runner.prefill(rng.integers(0, cfg.vocab_size, args.context), 0, table, False)
+        runner.prefill([Segment(rng.integers(0, cfg.vocab_size, args.context), 0, table)], want_logits=False).run()
     grammars = token_grammar(default_tokenizer_json(None), cfg.vocab_size, EOS)
     # A long free string keeps every row inside the grammar for the whole measurement.
     source = grammar_source({"type": "json_schema", "schema": {

@@ -61,11 +61,12 @@ def prepare(preset: str, out: Path, llama_dir: Path, outtype: str) -> tuple[Path
 
 
 def same_weights(url: str, ours: Path, dtype: str, prompt: list[int], n: int = 6) -> tuple[list[int], list[int]]:
-    """Greedy tokens of the peer (llama-server's /completion) and of our dense runner serving at `dtype` on
-    `prompt`: equal when both really hold the same weights, which is what makes the comparison fair."""
+    """Greedy tokens of the peer (llama-server's /completion) and of our reference forward (model/reference.py)
+    of the model served at `dtype` on `prompt`: equal when both really hold the same weights, which is what makes
+    the comparison fair."""
     import json
 
-    from model.runner import ModelRunner
+    from model.reference import generate
     from model.sampling import SamplingParams
     from model.serving import serving_model
     from model.weights import load_model
@@ -76,7 +77,7 @@ def same_weights(url: str, ours: Path, dtype: str, prompt: list[int], n: int = 6
         theirs = json.load(response)["tokens"]
     loaded = load_model(ours)
     served = serving_model(loaded.model, dtype)
-    mine = list(ModelRunner(served, loaded.config).generate(prompt, SamplingParams(max_tokens=n)))
+    mine = generate(served, prompt, SamplingParams(max_tokens=n))
     return theirs, mine
 
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with LlamaServer(binary, gguf, args.parallel, args.threads, args.slot_context * args.parallel,
                      args.preset, out / "llama-server.log") as url:
-        # Checked against our runner at the peer's dtype: greedy tokens of two dtypes may differ.
+        # Checked against our model at the peer's dtype: greedy tokens of two dtypes may differ.
         theirs, mine = same_weights(url, ours, {"bf16": "bfloat16", "f32": "float32"}[args.gguf_type], [1, 2, 3, 4, 5])
         if theirs != mine:
             raise SystemExit(f"the peer's greedy tokens {theirs} differ from ours {mine}: not the same weights")
