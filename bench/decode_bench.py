@@ -130,7 +130,8 @@ def write(result: dict) -> None:
     p = result["prefill"]
     one = result["decode"].get("1")
     scaling = [f"- decode tokens/s at batch {n} / batch 1: "
-               f"{d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x (float32 serving: {d['tokens_per_s_float32'] / one['tokens_per_s_float32']:.2f}x)"
+               f"{d['tokens_per_s_default'] / one['tokens_per_s_default']:.2f}x (float32 serving: "
+               f"{d['tokens_per_s_float32'] / one['tokens_per_s_float32']:.2f}x)"
                for n, d in sorted(result["decode"].items(), key=lambda kv: int(kv[0])) if one and n != "1"]
     body = [f"Command: `{result['command']}`; load average {result['load_average_start']:.1f} at the start, "
             f"{result['load_average_end']:.1f} at the end. Machine: {result['machine']}.",
