@@ -21,7 +21,7 @@ and reported, never counted in a TTFT. TTFT = client side, request sent -> first
 Bounds, measured in this run: physical = max(prefix bytes / read bandwidth (raw device O_DIRECT for a
 prefix on disk, memcpy for one in RAM), suffix FLOPs in the cheaper MLA form / jnp matmul peak)
 (bench.ttft_physical_bound); in-process = max(prefix bytes / raw device, suffix compute of our own
-ModelRunner with the prefix in RAM). transformers' DeepseekV3ForCausalLM (float32, sdpa) on the same
+Runner with the prefix's latents in its pool). transformers' DeepseekV3ForCausalLM (float32, sdpa) on the same
 weights: miss = prefill from scratch, hit = torch.load of the prefix's DynamicCache + suffix prefill.
 By default a fresh stack (preset mini, 1 engine) runs in a temporary directory under --dir.
 Writes bench/out/<name>.json, bench/results/ttft_*.png and the "TTFT (ttft_bench)" BENCHMARKS.md section.
@@ -214,7 +214,7 @@ def measure(args) -> dict:
         result["phases_s"]["transformers"] = time.perf_counter() - begin
 
         mark = time.perf_counter()
-        say(f"suffix compute in-process (ModelRunner on {model_dir.name}), prefix latents in RAM")
+        say(f"suffix compute in-process (Runner on {model_dir.name}), prefix latents in its pool")
         bar = tqdm(total=len(lengths) * (args.repeats + 1), desc="suffix compute", unit="run")
         compute = suffix_compute(model_dir, lengths, args.suffix, args.repeats, chunk_tokens=args.chunk_tokens,
                                  progress=bar)

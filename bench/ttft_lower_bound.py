@@ -1,7 +1,7 @@
 """ttft_bench, the in-process bound: reading the prefix's latents at the raw device's speed, and
-computing the suffix with the prefix already in RAM (in-process ModelRunner, same model directory and
-the engine's chunking), whichever is longer. What a hit through the stack adds to it is serving
-overhead; the physical bound (ttft_physical_bound) is what the model code itself could gain.
+computing the suffix with the prefix already in RAM (our Runner in this process, the prefix's latents in its
+pool, same model directory and the engine's chunking), whichever is longer. What a hit through the stack adds
+to it is serving overhead; the physical bound (ttft_physical_bound) is what the model code itself could gain.
 """
 from __future__ import annotations
 
@@ -14,17 +14,21 @@ import jax
 import numpy as np
 
 from bench.kv_bench import dd_read_gbps, parallel_direct_read_gbps
-from model.runner import LatentCache, ModelRunner, enable_compilation_cache
+from model.attention import make_backend
+from model.latent_pool import LatentPool
+from model.runner import Runner, Segment, enable_compilation_cache
 from model.serving import serving_model
 from model.weights import load_model
+
+PAGE = 64  # tokens per page: the engine's block
 
 
 class SuffixCompute(NamedTuple):
     """Seconds (lists: one per repeat) for the suffix of a `tokens`-long prompt over a cached prefix."""
     tokens: int
     prefix_tokens: int
-    compute_s: list[float]  # prefix latents already placed in the cache: pure suffix compute
-    placed_s: list[float]  # the same, placing the prefix layer by layer from host arrays (a RAM hit)
+    compute_s: list[float]  # prefix latents already placed in the pool: pure suffix compute
+    placed_s: list[float]  # the same, each layer's prefix placed from host arrays just before its units (a RAM hit)
     compute_cpu_s: list[float]  # CPU time (all threads) of compute_s: vs wall time, what contention took
 
 
@@ -46,36 +50,48 @@ def raw_device(directory: Path, size_mib: int) -> RawDevice:
 
 
 def suffix_compute(model_dir: Path, lengths: list[int], suffix: int, repeats: int, chunk_tokens: int = 512,
-                   cache_dtype: str = "bfloat16", reserve: int = 1, progress=None,
-                   dtype: str = "bfloat16") -> list[SuffixCompute]:
-    """Times runner.prefill(suffix, cache, start=P) as the engine calls it (reserve = max_tokens), over the
-    model as the engine serves it (`dtype`, model/serving.py), after a warm-up call that compiles the
-    shapes. Latent values are random: compute time does not depend on them (the presets this bench runs
-    are dense)."""
+                   cache_dtype: str = "bfloat16", progress=None, dtype: str = "bfloat16") -> list[SuffixCompute]:
+    """Times Runner.prefill of the suffix (one segment at position P = tokens - suffix) as the engine runs it,
+    over the model as the engine serves it (`dtype`, model/serving.py, the engine's attention backend for this
+    platform), after a warm-up call that compiles the shapes. The prefix's latents go into whole pages, the last
+    one padded with zeros (the suffix then writes the rest of it). Latent values are random: compute time does
+    not depend on them (the presets this bench runs are dense)."""
     enable_compilation_cache()
     loaded = load_model(model_dir, cache_dtype=cache_dtype)
     cfg = loaded.config
-    runner = ModelRunner(serving_model(loaded.model, dtype), cfg, chunk_tokens=chunk_tokens)
+    platform = jax.default_backend()
+    pool = LatentPool(cfg, 1 + -(-max(lengths) // PAGE), PAGE)
+    backend = make_backend("auto", cfg, platform, dtype, page_tokens=PAGE)
+    runner = Runner(serving_model(loaded.model, dtype, platform=platform), cfg, pool, backend,
+                    chunk_tokens=chunk_tokens)
     rng = np.random.default_rng(0)
     out = []
     for tokens in lengths:
         prefix = tokens - suffix
-        latents = [(rng.standard_normal((prefix, cfg.latent_dim), np.float32) * 0.1).astype(jax.numpy.bfloat16)
-                   for _ in range(cfg.num_layers)]  # (P, A) per layer, cache dtype
+        pages = list(range(1, 1 + -(-tokens // PAGE)))
+        held = pages[:-(-prefix // PAGE)]  # the pages the prefix's latents touch (ttft_bench: at least one)
+        latents = []  # per layer (len(held) * PAGE, A) at cache dtype, zeros past the prefix
+        for _ in range(cfg.num_layers):
+            rows_PA = np.zeros((len(held) * PAGE, cfg.latent_dim), pool.dtype)
+            rows_PA[:prefix] = rng.standard_normal((prefix, cfg.latent_dim), np.float32) * 0.1
+            latents.append(rows_PA)
+
         compute, placed, compute_cpu = [], [], []
         for rep in range(repeats + 1):  # the first is the warm-up
-            ids = rng.integers(1_000, 100_000, suffix)
-            cache = LatentCache(cfg)
-            cache.reserve(prefix + suffix + reserve)  # what prefill reserves, so it does not grow mid-way
+            segment = Segment(rng.integers(1_000, 100_000, suffix), prefix, pages)
             for layer in range(cfg.num_layers):
-                cache.place_prefix(layer, latents[layer])
-            jax.block_until_ready(cache.layers)
+                pool.place(layer, held, latents[layer])
+            jax.block_until_ready(pool.layers)
             begin, cpu = time.perf_counter(), time.process_time()
-            runner.prefill(ids, cache, start=prefix, reserve=reserve)
+            jax.block_until_ready(runner.prefill([segment]).run())
             c, c_cpu = time.perf_counter() - begin, time.process_time() - cpu
             begin = time.perf_counter()
-            runner.prefill(ids, LatentCache(cfg), start=prefix, load_prefix=lambda layer: latents[layer],
-                           reserve=reserve)
+            run = runner.prefill([segment])
+            for layer in range(cfg.num_layers):  # layer l placed, then its units: as a disk hit's layers arrive
+                pool.place(layer, held, latents[layer])
+                while run.done < run.units and run.layer == layer:
+                    run.step()
+            jax.block_until_ready(run.result)
             p = time.perf_counter() - begin
             if rep:
                 compute.append(c)
@@ -83,10 +99,9 @@ def suffix_compute(model_dir: Path, lengths: list[int], suffix: int, repeats: in
                 compute_cpu.append(c_cpu)
             if progress is not None:
                 progress.update()
-            del cache
         out.append(SuffixCompute(tokens, prefix, compute, placed, compute_cpu))
         del latents
         gc.collect()
-    del runner, loaded
+    del runner, pool, loaded
     gc.collect()
     return out

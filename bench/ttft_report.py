@@ -224,15 +224,15 @@ def write_report(result: dict, command: str) -> None:
         f"peak). FLOPs counted from the model config (bench/ttft_physical_bound.py: q/kv/o projections, attention "
         f"over prefix + causal suffix, MLP or MoE, LM head for one token; absorbed vs expanded attention). Matmul "
         f"peak = the faster of a jitted {peak['size']}x{peak['size']} jnp matmul accumulating in float32, with float32 "
-        f"({peak['float32_gflops']:.0f} GFLOP/s) or bfloat16 inputs ({peak['bfloat16_gflops']:.0f} GFLOP/s), best of 5, "
-        f"load average {peak['load_average']:.1f} while measured. Read bandwidth: for a prefix on disk (first and "
+        f"({peak['float32_gflops']:.0f} GFLOP/s) or bfloat16 inputs ({peak['bfloat16_gflops']:.0f} GFLOP/s), best of "
+        f"5, load average {peak['load_average']:.1f} while measured. Read bandwidth: for a prefix on disk (first and "
         f"cold hits) the raw device, {raw['gbps']:.2f} GB/s (best of dd iflag=direct {raw['dd_gbps']:.2f} and 8 "
         f"parallel O_DIRECT readers {raw['parallel_gbps']:.2f}, same device); for a prefix in RAM (warm hit: page "
         f"cache; memory hit: the engine's pool, which attention still reads once) a numpy memcpy, "
         f"{result['memcpy_gbps']:.1f} GB/s. In-process bound = max(prefix bytes / raw device, our own "
-        "ModelRunner's suffix compute with the prefix already in RAM, in this process, same weights served in "
-        "bfloat16 as the engine serves them): what "
-        "serving adds. transformers = DeepseekV3ForCausalLM, CPU float32 sdpa, "
+        "Runner's suffix compute with the prefix's latents already in its pool, in this process, same weights "
+        "served in bfloat16 as the engine serves them): what serving adds. transformers = DeepseekV3ForCausalLM, "
+        "CPU float32 sdpa, "
         + ("the same weights (converted with model/convert.py); " if result["same_weights"] else
            "same shapes, its own random weights; ")
         + "its hit = torch.load of the prefix's DynamicCache + prefill of the suffix.",
