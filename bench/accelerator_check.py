@@ -14,7 +14,8 @@ section failed. --budget-s stops starting sections once that many seconds have p
   parity    DeepseekV2ForCausalLM (transformers, float32) vs ours on the same converted weights:
             max logit error / logit scale and 32 greedy tokens
   sharded   with more than one device: a (tensor, expert) mesh over all of them vs one device
-  prefill   tokens/s of a --layers-layer V2-Lite-shaped model (ModelRunner.prefill), per length
+  prefill   tokens/s of a --layers-layer V2-Lite-shaped model (Runner.prefill over a LatentPool, the
+            engine's attention backend for this platform), per length
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def check_parity(args) -> dict:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     from model.convert import convert
-    from model.sharding import greedy_tokens, prompt_logits
+    from model.reference import greedy_tokens, prompt_logits
     from model.weights import load_model
 
     torch.manual_seed(0)
@@ -116,7 +117,8 @@ def check_parity(args) -> dict:
 
 
 def check_sharded(args) -> dict:
-    from model.sharding import greedy_tokens, make_mesh, prompt_logits, shard_model
+    from model.reference import greedy_tokens, prompt_logits
+    from model.sharding import make_mesh, shard_model
     from model.weights import init_on_device
 
     count = len(jax.devices())
@@ -140,19 +142,24 @@ def check_sharded(args) -> dict:
 
 
 def check_prefill(args) -> dict:
-    from model.runner import ModelRunner
+    from model.attention import make_backend
+    from model.latent_pool import LatentPool
+    from model.runner import Runner, Segment
     from model.weights import init_on_device
 
     cfg = preset("deepseek-v2-lite", num_layers=args.layers, param_dtype=args.dtype,
                  **(SMALL if args.small else {}))
     model = init_on_device(cfg)
-    runner = ModelRunner(model, cfg)
+    page = 64
+    pages = list(range(1, 1 + -(-max(args.prefill) // page)))  # one sequence's pages, reused by every length
+    backend = make_backend("auto", cfg, jax.default_backend(), args.dtype, page_tokens=page)
+    runner = Runner(model, cfg, LatentPool(cfg, 1 + len(pages), page), backend)
     rows = []
     for n in args.prefill:
-        tokens = np.random.default_rng(n).integers(0, cfg.vocab_size, n)
-        seconds = median_seconds(lambda tokens=tokens: runner.prefill(tokens).logits, args.repeats)
+        segment = Segment(np.random.default_rng(n).integers(0, cfg.vocab_size, n), 0, pages)
+        seconds = median_seconds(lambda segment=segment: runner.prefill([segment]).run(), args.repeats)
         rows.append({"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds})
-    return {"ok": True, "layers": args.layers, "dtype": args.dtype, "rows": rows}
+    return {"ok": True, "layers": args.layers, "dtype": args.dtype, "backend": backend.name, "rows": rows}
 
 
 SECTIONS = {"devices": check_devices, "moe": check_moe, "parity": check_parity, "sharded": check_sharded,
@@ -213,7 +220,7 @@ def write_section(results: dict) -> None:
     prefill = results.get("prefill", {})
     if prefill.get("rows"):
         lines += ["", f"Prefill, {prefill['layers']}-layer V2-Lite-shaped model, {prefill['dtype']} "
-                  "(ModelRunner.prefill, median):", "", markdown_table(
+                  f"(Runner.prefill, {prefill.get('backend', 'xla')} attention backend, median):", "", markdown_table(
                       ["prompt tokens", "seconds", "tokens/s"],
                       [[r["tokens"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:,.0f}"] for r in prefill["rows"]])]
     failed = [k for k, r in results.items() if isinstance(r, dict) and r.get("ok") is False]
