@@ -39,7 +39,6 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from tqdm import tqdm
 
 from bench import report
 from bench.serve_client import Client, closed_loop, percentiles, poisson, summarize
