@@ -201,9 +201,11 @@ class DecodeRow(NamedTuple):
 
 
 class _Chunk(NamedTuple):
+    """M tiles of T query rows (R = M * T): embedded (R, D), positions (M, T), pool slots (R,), tables (M, Q)."""
     x_RD: jax.Array
-    positions_MT: np.ndarray
-    slots_R: np.ndarray
+    positions_MT: jax.Array
+    slots_R: jax.Array
+    tables_MQ: jax.Array
 
 
 class PrefillPass:
@@ -351,7 +353,10 @@ class Runner:
     def prefill_units(self, segments: list[tuple[int, int]]) -> int:
         """The units of a pass of segments given as (n, end): a layer's chunks, and its context where that costs."""
         if len(segments) > 1:
-            return self.cfg.num_layers
+            tiles = sum(-(-n // self.page) for n, _ in segments)
+            form = self.backend.prefill_form(self.page, view_bucket(max(e for _, e in segments), self.page), self.form,
+                                             tiles)
+            return self.cfg.num_layers * (1 + form.context_unit)
         (n, end), = segments
         return self.cfg.num_layers * (len(self.chunk_sizes(n, end)) + self._form(n, end).context_unit)
 
@@ -359,56 +364,44 @@ class Runner:
         return self.backend.prefill_form(n, view_bucket(end, self.page), self.form)
 
     def prefill(self, segments: list[Segment], want_logits: bool = True) -> PrefillPass:
-        """A pass computing these segments (their pages hold positions [0, start) already); it writes their
-        latents into the pages. Several segments go as tiles of a page each (MAX_PASS_TILES at most)."""
-        B, L = self.page, self.cfg.num_layers
-        ends = [s.start + len(s.tokens) for s in segments]
+        """A pass computing these segments (their pages hold positions [0, start) already), writing their latents
+        into the pages: one segment in chunks (a tile each); several as tiles of a page (MAX_PASS_TILES at most)."""
+        B, ends = self.page, [s.start + len(s.tokens) for s in segments]
         for s, end in zip(segments, ends):
             if len(s.pages) * B < end:
                 raise ValueError(f"{len(s.pages)} pages cannot hold {end} tokens")
-        if len(segments) == 1:
-            seg, end, n = segments[0], ends[0], len(segments[0].tokens)
-            form = self._form(n, end)
-            sizes = self.chunk_sizes(n, end)
-            offsets = np.cumsum([0, *sizes[:-1]]).tolist()
-            padded = np.zeros(sum(sizes), np.int32)
-            padded[:n] = seg.tokens
-            view = self.table_pages * B if form.fixed_table else view_bucket(end, B)
-            tables = self._table(seg.pages, view // B)[None]
-            chunks = [(padded[o:o + T], (seg.start + o + np.arange(T, dtype=np.int32))[None]) for o, T in
-                      zip(offsets, sizes)]
-            last_K = np.full(1, n - 1 - offsets[-1], np.int32)
+        if len(segments) == 1:  # (segment, first row, rows) of each chunk's tiles
+            n = len(segments[0].tokens)
+            form, sizes = self._form(n, ends[0]), self.chunk_sizes(n, ends[0])
+            pieces = [[(0, o, T)] for o, T in zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes)]
         else:
-            counts = [-(-len(s.tokens) // B) for s in segments]
-            if sum(counts) > MAX_PASS_TILES:
-                raise ValueError(f"{sum(counts)} tiles do not fit one pass of {MAX_PASS_TILES}")
-            form = self.backend.prefill_form(B, view_bucket(max(ends), B), "absorbed")
-            view = self.table_pages * B if form.fixed_table else view_bucket(max(ends), B)
-            M = sum(counts)
-            tokens_MT, positions_MT = np.zeros((M, B), np.int32), np.zeros((M, B), np.int32)
-            tables, last_K = np.zeros((M, view // B), np.int32), np.zeros(pow2(len(segments)), np.int32)
-            tile = 0
-            for k, (seg, count) in enumerate(zip(segments, counts)):
-                rows = slice(tile, tile + count)
-                tokens_MT[rows].reshape(-1)[:len(seg.tokens)] = seg.tokens
-                positions_MT[rows] = (seg.start + np.arange(count * B, dtype=np.int32)).reshape(count, B)
-                tables[rows] = self._table(seg.pages, view // B)
-                last_K[k:] = tile * B + len(seg.tokens) - 1
-                tile += count
-            chunks = [(tokens_MT.reshape(-1), positions_MT)]
-            seg_of_tile = np.repeat(np.arange(len(segments)), counts)
-        slot_chunks = []
-        for tokens, positions in chunks:
-            if len(segments) == 1:
-                slots = self._slots(positions.reshape(-1), segments[0].pages, ends[0])
-            else:
-                slots = np.concatenate([self._slots(positions[m], segments[k].pages, ends[k])
-                                        for m, k in enumerate(seg_of_tile)])
-            slot_chunks.append(_Chunk(_embed(self.embed_VD, jnp.asarray(tokens)), jnp.asarray(positions),
-                                      jnp.asarray(slots)))
+            pieces = [[(k, o, B) for k, s in enumerate(segments) for o in range(0, len(s.tokens), B)]]
+            form = self.backend.prefill_form(B, view_bucket(max(ends), B), self.form, len(pieces[0]))
+            if len(pieces[0]) > MAX_PASS_TILES:
+                raise ValueError(f"{len(pieces[0])} tiles do not fit one pass of {MAX_PASS_TILES}")
+        view = self.table_pages * B if form.fixed_table else view_bucket(max(ends), B)
+        chunks = [self._chunk(segments, ends, tiles, view) for tiles in pieces]
+        last_K = np.zeros(pow2(len(segments)), np.int32)  # each segment's last row in the last chunk
+        for m, (k, o, T) in enumerate(pieces[-1]):
+            if o < len(segments[k].tokens) <= o + T:
+                last_K[k:] = m * T + len(segments[k].tokens) - 1 - o
         per_layer = len(chunks) + form.context_unit
-        run = self._pass(slot_chunks, jnp.asarray(tables), max(ends), form, jnp.asarray(last_K), want_logits)
-        return PrefillPass(L * per_layer, per_layer, run)
+        run = self._pass(chunks, max(ends), form, jnp.asarray(last_K), want_logits)
+        return PrefillPass(self.cfg.num_layers * per_layer, per_layer, run)
+
+    def _chunk(self, segments: list[Segment], ends: list[int], tiles: list[tuple[int, int, int]], view: int):
+        T = tiles[0][2]
+        tokens_MT, positions_MT = np.zeros((len(tiles), T), np.int32), np.zeros((len(tiles), T), np.int32)
+        slots_MT, tables_MQ = np.zeros((len(tiles), T), np.int32), np.zeros((len(tiles), view // self.page), np.int32)
+        for m, (k, o, _) in enumerate(tiles):
+            seg = segments[k]
+            part = seg.tokens[o:o + T]
+            tokens_MT[m, :len(part)] = part
+            positions_MT[m] = seg.start + o + np.arange(T)
+            slots_MT[m] = self._slots(positions_MT[m], seg.pages, ends[k])
+            tables_MQ[m] = self._table(seg.pages, view // self.page)
+        return _Chunk(_embed(self.embed_VD, jnp.asarray(tokens_MT.reshape(-1))), jnp.asarray(positions_MT),
+                      jnp.asarray(slots_MT.reshape(-1)), jnp.asarray(tables_MQ))
 
     def warm_up(self, pages: list[int], n: int, segment_sizes: list[int], batches: list[int]) -> float:
         """Compiles what a serving engine meets first, on `pages` (scratch work): a prompt's prefill and first token,
@@ -425,7 +418,7 @@ class Runner:
         np.asarray(self.prefill([Segment(np.arange(n) % self.cfg.vocab_size, 0, pages)]).run())
         return time.perf_counter() - begin
 
-    def _pass(self, chunks: list[_Chunk], tables_MQ, end: int, form, last_K, want_logits: bool) -> Generator:
+    def _pass(self, chunks: list[_Chunk], end: int, form, last_K, want_logits: bool) -> Generator:
         xs, context, end_ = [c.x_RD for c in chunks], None, jnp.asarray(end, jnp.int32)
         for layer in range(self.cfg.num_layers):
             queries = []
@@ -434,12 +427,13 @@ class Runner:
                                                                              c.positions_MT.reshape(-1), c.slots_R)
                 queries.append((q_nope, q_pe))
             into = self.backend.context_buffer(form.name, end, context)
-            context = self._context[layer](self.pool.layers[layer], tables_MQ, end_, into, self.backend, form.name)
+            context = self._context[layer](self.pool.layers[layer], chunks[0].tables_MQ, end_, into, self.backend,
+                                           form.name)
             if form.context_unit:
                 yield context
             for i, c in enumerate(chunks):
                 # the pool's array as it is now: a decode step between units donates (replaces) it
-                xs[i] = self._attend[layer](xs[i], *queries[i], self.pool.layers[layer], tables_MQ, c.positions_MT,
-                                            context, self.backend, form.name)
+                xs[i] = self._attend[layer](xs[i], *queries[i], self.pool.layers[layer], c.tables_MQ,
+                                            c.positions_MT, context, self.backend, form.name)
                 yield xs[i]
         return self._head_rows(xs[-1], last_K) if want_logits else xs[-1]

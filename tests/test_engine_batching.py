@@ -323,7 +323,8 @@ def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bit
                   paged.prefill([Segment(p[:40], 0, table_q), Segment(q[:90], 0, [13, 14])])]
         assert passes[0].units == paged.prefill_units([(236, 300)]) == cfg.num_layers * (
             4 + paged._form(236, 300).context_unit)
-        assert passes[1].units == paged.prefill_units([(40, 40), (90, 90)]) == cfg.num_layers
+        assert passes[1].units == paged.prefill_units([(40, 40), (90, 90)]) == cfg.num_layers * (
+            1 + paged.backend.prefill_form(64, 256, "auto", 3).context_unit)
         results, steps = run_passes(paged, passes, table_d, how == "sliced")
         latents = [np.asarray(paged.pool.host(read)) for table in (table_p, table_q, [13, 14], table_d)
                    for read in paged.pool.read(table)]
@@ -448,27 +449,27 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     seq = admitted(e, long)
     e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
     units = e.runner.prefill_units([(300, 300)])
-    assert units >= L and len(e._flights) == 1 and slices._value.get() == 1 and seq.computed == 0
+    assert units >= L and len(e.passes.flights) == 1 and slices._value.get() == 1 and seq.computed == 0
     for _ in range(units - 1):  # one unit a step; the head goes with the last
-        assert e._flights
+        assert e.passes.flights
         e._execute(Plan([], [], slice_s=1e-9))
-    assert not e._flights and slices._value.get() == units and seq.computed == 300
+    assert not e.passes.flights and slices._value.get() == units and seq.computed == 300
     assert await first_token(seq) == want  # the same token, and the same logits' digest
 
     e = engine()  # a short prompt's segment runs whole beside the sliced pass: its first token comes at once
     seq, short = admitted(e, long), admitted(e, prompt(72, 40))
     e._execute(Plan([], [[(short, 40)]], (seq, 300), slice_s=1e-9))
-    assert e._flights and short.computed == 40 and short.generated == 1 and seq.computed == 0
-    while e._flights:
+    assert e.passes.flights and short.computed == 40 and short.generated == 1 and seq.computed == 0
+    while e.passes.flights:
         e._execute(Plan([], [], slice_s=1e-9))
     assert seq.computed == 300 and seq.generated == 1
 
     e = engine()
     seq = admitted(e, long)
     e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
-    assert e._flights  # one unit in
+    assert e.passes.flights  # one unit in
     e._cancel(seq)
-    assert not e._flights and e.metrics.prefill_aborted._value.get() == 1
+    assert not e.passes.flights and e.metrics.prefill_aborted._value.get() == 1
     assert seq.computed == 0 and e.metrics.prefill_tokens.labels("computed")._value.get() == 0
     assert e.blocks.owned_pages == 0
     e.blocks.check([])
@@ -479,12 +480,12 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     e._execute(e.scheduler.schedule())  # its first decode step
     seq = admitted(e, long)
     e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
-    assert e._flights
+    assert e.passes.flights
     filler = e.blocks.allocate(e.blocks.available())  # the pool is full: the youngest (in the pass) is preempted
     plan = e.scheduler.schedule(None, [seq], slicing=True)
     assert plan.preempted == (seq,) and plan.decoding == [decoding]
     e._execute(plan._replace(slice_s=1e-9))
-    assert not e._flights and e.metrics.prefill_aborted._value.get() == 1 and e.metrics.preemptions._value.get() == 1
+    assert not e.passes.flights and e.metrics.prefill_aborted._value.get() == 1 and e.metrics.preemptions._value.get() == 1
     assert seq.status is Status.WAITING and seq.computed == 0 and not seq.pages
     assert decoding.computed == 65 and len(decoding.pages) == 2
     e.blocks.release(filler)

@@ -91,7 +91,9 @@ class AttentionBackend:
 
     # -- prefill --
 
-    def prefill_form(self, n: int, end: int, choice: str = "auto") -> PrefillForm:
+    def prefill_form(self, n: int, end: int, choice: str = "auto", tiles: int = 1) -> PrefillForm:
+        """The form of n query rows a tile ending by `end` (the view's rows), in a pass of `tiles` tiles;
+        `choice`: "auto" (the backend's), "absorbed" or "expanded"."""
         raise NotImplementedError
 
     def context_buffer(self, form: str, end: int, previous: Any) -> Any:

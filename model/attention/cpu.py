@@ -83,12 +83,13 @@ class CpuBackend(XlaBackend):
 
     # -- prefill --
 
-    def prefill_form(self, n, end, choice="auto"):
-        if not self.prefill_kernel or n == 1 or (choice == "expanded" and not self.expands_pages):
+    def prefill_form(self, n, end, choice="auto", tiles=1):
+        """The kernel's expanded form lays out one sequence's keys and values: a pass of several takes "pages"."""
+        if not self.prefill_kernel or n == 1 or (choice == "expanded" and (tiles > 1 or not self.expands_pages)):
             return super().prefill_form(n, end, choice)
         # with the absorbed kernel alone, absorbed always: on `mini` it measured faster than XLA's expanded form
         # at every size tried; with both, the same rule as xla's (the kernels run their products at about one rate)
-        absorbed = (choice == "absorbed" or not self.expands_pages or choice == "auto"
+        absorbed = (choice == "absorbed" or not self.expands_pages or tiles > 1 or choice == "auto"
                     and prefer_absorbed(self.cfg, n, end))
         return PrefillForm("pages", False, True) if absorbed else PrefillForm("laid", True, True)
 

@@ -80,31 +80,29 @@ class XlaBackend(AttentionBackend):
 
     # -- prefill --
 
-    def prefill_form(self, n, end, choice="auto"):
+    def prefill_form(self, n, end, choice="auto", tiles=1):
         absorbed = prefer_absorbed(self.cfg, n, end) if choice == "auto" else choice == "absorbed"
         return PrefillForm("absorbed", False) if absorbed else PrefillForm("expanded", True)
 
     def prefill_context(self, attn, pool_PBA, tables_MQ, end, form, into=None):
         """Each tile's pages as a view of raw bits (M, Q * page, A): handed a bfloat16 view, XLA:CPU converted all
-        of it to float32 before the blockwise loop. Expanded (one tile): also its keys and values."""
+        of it to float32 before the blockwise loop. Expanded: also each view's keys and values."""
         views_MSA = pool_PBA.at[tables_MQ].get(mode="promise_in_bounds").reshape(tables_MQ.shape[0], -1,
                                                                                   pool_PBA.shape[-1])
         if form == "expanded":
-            return views_MSA, attn.expand(views_MSA[0], attn.products_dtype())
+            return views_MSA, jax.vmap(lambda view_SA: attn.expand(view_SA, attn.products_dtype()))(views_MSA)
         return views_MSA, None
 
     def prefill_attend(self, attn, q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, context, form):
-        views_MSA, expanded = context
         M, T = positions_MT.shape
-        N = q_nope_NRH.shape[0]
-        dtype = attn.products_dtype()
+        N, dtype = q_nope_NRH.shape[0], attn.products_dtype()
 
-        def tile(q_nope_NTH, q_pe_NTR, positions_T, view_SA):
+        def tile(q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded):
             return self.attend(attn, q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype), positions_T, view_SA,
                                expanded)
 
         split = (lambda x: x.reshape(N, M, T, -1).transpose(1, 0, 2, 3))
-        out_MNTV = jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, views_MSA)
+        out_MNTV = jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, *context)
         return out_MNTV.transpose(1, 0, 2, 3).reshape(N, M * T, -1)
 
     def attend(self, attn, q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded) -> jax.Array:

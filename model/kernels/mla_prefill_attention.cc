@@ -23,8 +23,8 @@
 //
 // MlaPrefillPagedAttention is the same for M tiles of T tokens at once, each over its own sequence's pages of
 // the latent pool read in place (no gathered view): what a pass of several sequences' prefill segments
-// computes (PagedRunner.prefill_segments). Called once per tile, XLA's loop over the tiles, the view each one
-// gathered and the copies in and out of the loop cost about as much as the attention itself.
+// computes (model/runner.py). Called once per tile, XLA's loop over the tiles, the view each one gathered
+// and the copies in and out of the loop cost about as much as the attention itself.
 // Inputs:  q      bf16  (N, M * T, A): tile m's queries are rows m * T .. + T of each head
 //          pool   u16   (P, B, A): the pool's pages (B a multiple of 64 rows)
 //          tables s32   (M, Q): tile m's pages, in position order; view rows [0, valid) of a tile are in its
