@@ -1,25 +1,17 @@
-"""CPU kernels of our own, as XLA FFI custom calls, built for this machine on first use.
+"""CPU kernels of our own, as XLA FFI custom calls, built for this machine on first use (the `cpu` attention
+backend, model/attention/cpu.py, and the served model's few-row products call them).
 
-- `paged_mla_decode` (kernels/paged_mla_decode.cc) is decode attention read in place from the paged latent
-  pool. XLA:CPU computes the same thing from a gathered dense copy of every sequence's pages, and packs
-  that copy again for each of its two products; at long contexts that was most of a decode step
-  (BENCHMARKS.md, decode kernel).
-- `few_row_product` (kernels/few_row_product.cc) is a product of a few rows (1-32 with AMX, else 1-4) with
-  bfloat16 weights, as a decode step of a few sequences makes: it streams the weights once, where XLA's
-  bfloat16 product of so few rows ran well below memory speed (BENCHMARKS.md, few-row products).
-- `mla_prefill_attention` and `mla_prefill_paged_attention` (kernels/mla_prefill_attention.cc, AMX only) are
-  absorbed prefill attention, flash attention on AMX tiles: over a latent view, or over several sequences'
-  pages of the pool read in place, each tile of query tokens over its own sequence's pages.
-  `mla_expand_pages` and `mla_prefill_expanded_attention` (same file) are the expanded form: each head's keys
-  and values computed from the pages' latents on the tiles, laid out once per layer for all of a segment's
-  chunks, then each head over its own; a third of the absorbed form's products, so long prefill chunks take it.
+- `paged_mla_decode` (kernels/paged_mla_decode.cc): decode attention read in place from the paged pool.
+- `few_row_product` (kernels/few_row_product.cc): a product of a few rows with bfloat16 weights, streaming the
+  weights once, where XLA's bfloat16 product of so few rows ran well below memory speed.
+- `mla_prefill_attention`, `mla_prefill_paged_attention` (kernels/mla_prefill_attention.cc, AMX only): absorbed
+  prefill attention on AMX tiles, over a latent view or over sequences' pages in place; `mla_expand_pages` and
+  `mla_prefill_expanded_attention` (same file): the expanded form, each head's keys and values computed on the
+  tiles once per layer, then each head over its own.
 
-They are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on
-(-march=native) into one library in the compilation cache's directory, keyed by everything that shapes
-the binary, so a machine builds it once (about 7 s). Without a compiler, or with DEEPINFER_CPU_KERNELS=0,
-they are unavailable and the model uses XLA's products: same results within fp tolerance, slower.
-
-On a GPU or TPU the kernels are never used (callers ask `available` for their arrays' platform).
+They are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on (-march=native)
+into one library in the compilation cache's directory, keyed by everything that shapes the binary (about 7 s,
+once a machine). Without a compiler, or with DEEPINFER_CPU_KERNELS=0, they are unavailable: XLA's paths serve.
 """
 from __future__ import annotations
 
@@ -177,20 +169,14 @@ def cpu_kind() -> str:
 
 
 def decode_serves() -> bool:
-    """Whether the engine's decode attention takes our kernel (where it builds): on a CPU with AVX-512 or AMX,
-    or with AVX2 and FMA, for which the kernel has its own 4-head path (scores of two rows and
-    values of 16 columns in 8-float registers). On a Zen CPU with AVX2 alone that path ran one layer of 16
-    sequences x 4,096 rows in 21.5 ms where GCC's portable vectors took 168 ms (decode_attention_bench), and a
-    decode step of `mini` at 2K of context in 262 ms for 16 sequences against 618 over XLA's views
-    (decode_bench). Other CPUs keep XLA."""
+    """Whether the decode kernel serves this CPU (where it builds): with AVX-512, AMX, or AVX2 and FMA (its
+    portable vectors lost to XLA: decode_attention_bench)."""
     return cpu_kind() != "portable"
 
 
 def few_rows_serve() -> bool:
-    """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512, AMX, or AVX2 and FMA.
-    Elsewhere it is a portable loop (GCC's vectors) of up to 4 rows, which lost to XLA on a Zen CPU when that
-    CPU's build took it (few_rows_bench: the LM head at 1-4 rows 0.46-0.82x XLA's speed); on that CPU the AVX2
-    path ran the LM head at 1 row 2.87x XLA's speed, at 16 rows 1.72x (few_rows_bench)."""
+    """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512, AMX, or AVX2 and FMA
+    (elsewhere its portable loop of up to 4 rows lost to XLA: few_rows_bench)."""
     return few_rows_max() > 0 and cpu_kind() != "portable"
 
 
@@ -238,12 +224,10 @@ def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax
 
 def mla_expand_pages(pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, w_uk_CNH: jax.Array,
                      w_uv_CNV: jax.Array, into_NSX: jax.Array) -> jax.Array:
-    """Each head's expanded keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV of the first `end` (a traced
-    int32 scalar, <= rows) rows of one sequence's pages of the pool (raw bfloat16 bits, read in place through
-    table_Q), computed on the tiles and laid out as mla_prefill_expanded_attention reads them: (N, rows, H + R
-    + V) raw bfloat16 bits, written into into_NSX's memory (aliased: donate it, and a pass's layers reuse one
-    buffer; fresh, a 16K view's 84 MB cost a layer ~12 ms of page faults) (kernels/mla_prefill_attention.cc).
-    Rows past end's 64-row step are not written."""
+    """Each head's expanded keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV of the first `end` (traced, <= rows)
+    rows of one sequence's pages (raw bfloat16 bits, read in place through table_Q), laid out as
+    mla_prefill_expanded_attention reads them: (N, rows, H + R + V) raw bits in into_NSX's memory (aliased: donate
+    it). Rows past end's 64-row step are not written."""
     C, N, H = w_uk_CNH.shape
     V = w_uv_CNV.shape[-1]
     A = H + pool_PBA.shape[-1] - C
@@ -260,10 +244,8 @@ def mla_expand_pages(pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, w_
 
 def mla_prefill_expanded_attention(q_NTK: jax.Array, laid_NSX: jax.Array, positions_T: jax.Array,
                                    scale: float) -> jax.Array:
-    """Expanded MLA attention of T query tokens' N heads (q_NTK = [q_nope | q_pe], bfloat16) over rows [0,
-    position + 1) of each head's keys and values laid out by mla_expand_pages (positions below its `end`): the
-    softmax-weighted values (N, T, V) float32, normalised (kernels/mla_prefill_attention.cc, the absorbed
-    kernel's flash attention with each head a problem of its own)."""
+    """Expanded MLA attention of T queries' N heads (q_NTK = [q_nope | q_pe], bfloat16) over rows [0, position]
+    of each head's keys and values laid out by mla_expand_pages: the softmax-weighted values (N, T, V) float32."""
     N, T, A = q_NTK.shape
     return jax.ffi.ffi_call(EXPANDED_PREFILL_TARGET,
                             jax.ShapeDtypeStruct((N, T, laid_NSX.shape[-1] - A), jnp.float32))(
@@ -272,10 +254,9 @@ def mla_prefill_expanded_attention(q_NTK: jax.Array, laid_NSX: jax.Array, positi
 
 def mla_prefill_paged_attention(q_NRA: jax.Array, pool_PBA: jax.Array, tables_MQ: jax.Array, positions_MT: jax.Array,
                                 scale: float, view: int, value_dim: int) -> jax.Array:
-    """`mla_prefill_attention` of M tiles of T tokens at once (R = M * T query rows per head, tile m's rows
-    m * T .. + T), each over rows [0, min(position + 1, view)) of its own sequence's pages in the pool (raw
-    bfloat16 bits, pages of a multiple of 64 rows), read in place through its table row tables_MQ[m]: (N, R,
-    value_dim) float32, a tile's rows bit for bit what mla_prefill_attention gives them over the gathered view."""
+    """`mla_prefill_attention` of M tiles of T tokens at once (R = M * T query rows per head), each over rows
+    [0, min(position + 1, view)) of its own sequence's pages (raw bfloat16 bits, pages of whole 64-row steps)
+    read in place through tables_MQ[m]: (N, R, value_dim) float32, bit for bit the gathered view's."""
     N, R, _ = q_NRA.shape
     return jax.ffi.ffi_call(PAGED_PREFILL_TARGET, jax.ShapeDtypeStruct((N, R, value_dim), jnp.float32))(
         q_NRA.astype(jnp.bfloat16), pool_PBA, tables_MQ.astype(jnp.int32), positions_MT.astype(jnp.int32),

@@ -201,9 +201,11 @@ class DecodeRow(NamedTuple):
 
 
 class _Chunk(NamedTuple):
-    """M tiles of T query rows (R = M * T): embedded (R, D), positions (M, T), pool slots (R,), tables (M, Q)."""
+    """M tiles of T query rows (R = M * T): embedded (R, D), positions (M, T) and (R,), pool slots (R,), tables
+    (M, Q), each on the device once (an eager reshape a layer was an XLA dispatch a layer)."""
     x_RD: jax.Array
     positions_MT: jax.Array
+    positions_R: jax.Array
     slots_R: jax.Array
     tables_MQ: jax.Array
 
@@ -322,7 +324,7 @@ class Runner:
             tokens[i], positions[i] = r.token, r.position
             slots[i] = self._slots(np.asarray([r.position]), r.pages, r.position + 1)[0]
             tables[i] = self._table(r.pages, self.table_pages)
-        positions, tables, x, latents = jnp.asarray(positions), jnp.asarray(tables), tokens, []
+        x, latents = tokens, []
         for group, call, weights in self._groups:
             x, group_latents = call(weights, [self.pool.layers[i] for i in group], x, positions, tables)
             latents.append(group_latents)
@@ -401,7 +403,7 @@ class Runner:
             slots_MT[m] = self._slots(positions_MT[m], seg.pages, ends[k])
             tables_MQ[m] = self._table(seg.pages, view // self.page)
         return _Chunk(_embed(self.embed_VD, jnp.asarray(tokens_MT.reshape(-1))), jnp.asarray(positions_MT),
-                      jnp.asarray(slots_MT.reshape(-1)), jnp.asarray(tables_MQ))
+                      jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1)), jnp.asarray(tables_MQ))
 
     def warm_up(self, pages: list[int], n: int, segment_sizes: list[int], batches: list[int]) -> float:
         """Compiles what a serving engine meets first, on `pages` (scratch work): a prompt's prefill and first token,
@@ -424,7 +426,7 @@ class Runner:
             queries = []
             for c, x in zip(chunks, xs):
                 q_nope, q_pe, self.pool.layers[layer] = self._project[layer](x, self.pool.layers[layer],
-                                                                             c.positions_MT.reshape(-1), c.slots_R)
+                                                                             c.positions_R, c.slots_R)
                 queries.append((q_nope, q_pe))
             into = self.backend.context_buffer(form.name, end, context)
             context = self._context[layer](self.pool.layers[layer], chunks[0].tables_MQ, end_, into, self.backend,

@@ -74,28 +74,6 @@ def _sample_one(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top
     return order_V[jax.random.categorical(key, sorted_V)]
 
 
-_sample = jax.jit(_sample_one)
-
-
-class Sampler:
-    """One per request: its own PRNG stream, so a seeded request samples the same tokens every time."""
-
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self._key = jax.random.key(seed)
-        self._step = 0
-
-    def __call__(self, logits_V: jax.Array | np.ndarray) -> int:
-        p = self.params
-        if p.greedy:
-            return int(np.argmax(np.asarray(logits_V)))
-        key = jax.random.fold_in(self._key, self._step)
-        self._step += 1
-        return int(_sample(jnp.asarray(logits_V), key, jnp.float32(p.temperature), jnp.float32(p.top_p),
-                           jnp.int32(min(p.top_k, np.iinfo(np.int32).max))))
-
-
 class SamplingRow(NamedTuple):
     params: SamplingParams
     seed: int  # 0 <= seed < 2**64: the request's seed, or a random one drawn once per request

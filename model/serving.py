@@ -9,20 +9,13 @@ A checkpoint's weights keep their own dtype for conversion, parity tests and the
 - attention's absorbed weights (W_UK, W_UV) at that dtype too, so attention (model/attention/) takes its
   inputs at it and accumulates in float32.
 
-Why (measured on this CPU, XLA:CPU with YNNPACK, bench/decode_bench.py and BENCHMARKS.md): bfloat16
-products with an (out, in) operand run on the CPU's matrix units; 24 feed-forward products of `mini`
-take 10.6 ms at 16 rows against 35.6 ms in float32 (x @ W, (in, out)), and 133 ms against 557 ms at
-1,024 rows. A bfloat16 product of ONE row takes a slow path on XLA:CPU (86 ms for the same 24), so a
-single row is computed as two (the copy costs nothing next to the weights it reads).
-
-On a CPU without AMX those figures turn over: XLA's bfloat16 products there take the CPU's AVX-512 BF16 dot
-products (or an emulation), which retired at 1.2 G/s a core against 5.2 G/s for float32 FMAs on a Xeon
-without AMX, so a product of many rows ran at 42-46 GFLOP/s in bfloat16 against 61-71 in float32 on both
-cores. There the served model widens the operands of many-row products (`WIDE_ROWS` or more rows, and
-prefill attention's) to float32 inside the graph: the same bfloat16-rounded inputs, products exact in float32,
-float32 sums, so the numbers differ from the bfloat16 products only in the order of the sums. Few rows stay
-bfloat16 (the few-row kernel where the CPU has AVX-512 or AVX2, or XLA): widening the weights costs a pass over them
-that many rows repay and a few do not (the crossover measured at about 96 rows).
+Why (XLA:CPU, BENCHMARKS.md): bfloat16 products with an (out, in) operand run on an AMX CPU's matrix units, 3-4x
+float32's rate; a bfloat16 product of ONE row takes a slow path on XLA:CPU, so a single row is computed as two
+(the copy costs nothing next to the weights it reads). On a CPU without AMX, XLA's bfloat16 products of many rows
+ran slower than float32 (42-46 against 61-71 GFLOP/s on two cores), so there the served model widens the operands
+of products of `WIDE_ROWS` or more rows, and prefill attention's, to float32 inside the graph: the same
+bfloat16-rounded inputs, exact products, so only the order of the sums differs. Few rows stay bfloat16 (widening
+the weights costs a pass over them that a few rows do not repay: the crossover was about 96 rows).
 
 `--dtype float32` serves the checkpoint's own weights unchanged: the reference forward's numerics.
 """

@@ -2,9 +2,9 @@
 
 Decode reads each sequence's pages through its table a key block at a time (DECODE_BLOCK_ROWS rows: a (B, block,
 A) gather per step of an online softmax over the batch's longest position), so no step copies whole contexts.
-Prefill gathers each tile's pages into a view once per layer (the segment's own latents included), then each chunk
-attends over it blockwise (flash attention's online softmax, key blocks of `key_block` rows, blocks past the chunk's
-last position skipped); in the expanded form the view's keys and values are expanded once per layer first.
+Prefill gathers each tile's pages into a view (the segment's own latents included) and attends over it blockwise
+(flash attention's online softmax over `key_block`-row blocks, those past the chunk's last position skipped; one
+block is a plain softmax); in the expanded form the view's keys and values are expanded once per layer first.
 """
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ def _online_step(carry, scores_XS, weigh):
     p_XS = jnp.exp(scores_XS - safe_X[..., None])
     rescale_X = jnp.exp(max_X - safe_X)
     return new_max_X, sum_X * rescale_X + p_XS.sum(axis=-1), acc_XC * rescale_X[..., None] + weigh(p_XS)
+
+
+def views(pool_PBA, tables_MQ) -> jax.Array:
+    """Each tile's pages as a view of raw bits (M, Q * page, A): handed a bfloat16 view, XLA:CPU converted all of it
+    to float32 before the blockwise loop."""
+    return pool_PBA.at[tables_MQ].get(mode="promise_in_bounds").reshape(tables_MQ.shape[0], -1, pool_PBA.shape[-1])
 
 
 def _start(lead: tuple[int, ...], width: int):
@@ -85,24 +91,27 @@ class XlaBackend(AttentionBackend):
         return PrefillForm("absorbed", False) if absorbed else PrefillForm("expanded", True)
 
     def prefill_context(self, attn, pool_PBA, tables_MQ, end, form, into=None):
-        """Each tile's pages as a view of raw bits (M, Q * page, A): handed a bfloat16 view, XLA:CPU converted all
-        of it to float32 before the blockwise loop. Expanded: also each view's keys and values."""
-        views_MSA = pool_PBA.at[tables_MQ].get(mode="promise_in_bounds").reshape(tables_MQ.shape[0], -1,
-                                                                                  pool_PBA.shape[-1])
-        if form == "expanded":
-            return views_MSA, jax.vmap(lambda view_SA: attn.expand(view_SA, attn.products_dtype()))(views_MSA)
-        return views_MSA, None
+        """Expanded: each tile's view (`views`) and its keys and values, once per layer for all its chunks. Absorbed:
+        nothing (each chunk gathers its tiles' views inside its own call)."""
+        if form != "expanded":
+            return None
+        views_MSA = views(pool_PBA, tables_MQ)
+        return views_MSA, jax.vmap(lambda view_SA: attn.expand(view_SA, attn.products_dtype()))(views_MSA)
 
     def prefill_attend(self, attn, q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, context, form):
         M, T = positions_MT.shape
         N, dtype = q_nope_NRH.shape[0], attn.products_dtype()
+        views_MSA, expanded = context or (views(pool_PBA, tables_MQ), None)
 
         def tile(q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded):
             return self.attend(attn, q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype), positions_T, view_SA,
                                expanded)
 
+        if M == 1:  # one sequence's chunk: no vmap
+            return tile(q_nope_NRH, q_pe_NRR, positions_MT[0], views_MSA[0],
+                        None if expanded is None else (expanded[0][0], expanded[1][0]))
         split = (lambda x: x.reshape(N, M, T, -1).transpose(1, 0, 2, 3))
-        out_MNTV = jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, *context)
+        out_MNTV = jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, views_MSA, expanded)
         return out_MNTV.transpose(1, 0, 2, 3).reshape(N, M * T, -1)
 
     def attend(self, attn, q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded) -> jax.Array:
@@ -129,14 +138,21 @@ class XlaBackend(AttentionBackend):
                 return k_NBK, (lambda p: jnp.einsum("ntb,nbv->ntv", p, v_NBV, preferred_element_type=jnp.float32))
             score = "ntk,nbk->ntb"
 
-        def step(b, carry):
-            begin = b * block
+        def scores(begin):
             k, weigh = keys(begin)
             scores_NTB = jnp.einsum(score, q_NTK, k, preferred_element_type=jnp.float32) * attn.scale
             causal_TB = (begin + jnp.arange(block))[None, :] <= positions_T[:, None]
-            return _online_step(carry, jnp.where(causal_TB[None], scores_NTB, -jnp.inf), lambda p: weigh(p.astype(dtype)))
+            return jnp.where(causal_TB[None], scores_NTB, -jnp.inf), weigh
 
-        blocks = jnp.minimum(S // block, jnp.max(positions_T) // block + 1)  # blocks past the last query skipped
-        _, sum_NT, acc_NTX = jax.lax.fori_loop(0, blocks, step, _start(q_NTK.shape[:2], width))
-        out_NTX = (acc_NTX / sum_NT[..., None]).astype(dtype)
+        if block == S:  # one block: a plain softmax, no loop
+            scores_NTS, weigh = scores(0)
+            out_NTX = weigh(jax.nn.softmax(scores_NTS, axis=-1).astype(dtype)).astype(dtype)
+        else:  # blocks past the last query skipped
+            def step(b, carry):
+                scores_NTB, weigh = scores(b * block)
+                return _online_step(carry, scores_NTB, lambda p: weigh(p.astype(dtype)))
+
+            blocks = jnp.minimum(S // block, jnp.max(positions_T) // block + 1)
+            _, sum_NT, acc_NTX = jax.lax.fori_loop(0, blocks, step, _start(q_NTK.shape[:2], width))
+            out_NTX = (acc_NTX / sum_NT[..., None]).astype(dtype)
         return attn.latent_values(out_NTX) if expanded is None else out_NTX

@@ -1,22 +1,15 @@
 """Scheduling policy: who gets pages, and the whole plan of each model step.
 
 A waiting queue (FCFS; preempted sequences go back to its front) and a running list (in admission order). Each
-step's `Plan` is final: the decode dispatches (every running sequence whose prefill is done, with the page its
-token goes to; where the pool has none the youngest running sequence is preempted), the prefill passes (segments
-up to a budget, short ones of several sequences packed into one pass), a sliced pass, and who was preempted.
-The engine executes it and samples; pages move only through the block manager.
+step's `Plan` is final: the decode dispatches (every running sequence past its prefill, with the page its token
+goes to; where the pool has none the youngest running sequence is preempted), the prefill passes, a sliced pass,
+and who was preempted. The engine executes it and samples; pages move only through the block manager.
 
-The prefill budget is time: given the measured step costs (step_cost.py), the segments are sized so that their
-predicted time is about `prefill_step_ratio` times the decode step's, which takes few tokens at long contexts
-(each token attends over the whole prefix) and many at short ones; at most `solo_tokens`. When more sequences
-prefill than decode, that budget grows by their ratio. Where not even one block of a sequence fits the budget (a
-long context: 64 tokens at 16K cost several decode steps), or where it would cost SLICE_GAIN more per token than
-a large segment (a pass's fixed cost dominates small ones), the one such sequence with the least left to compute
-gets a sliced pass: a segment predicted to take up to SLICED_STEPS budgets, computed a few units per step
-(layers' chunks, each timed) between the decode steps. One sliced pass at a time; while it is in flight, other
-sequences' segments that fit still run beside it. Without costs yet, and in batch-invariant mode, the budget is
-`step_tokens` tokens. With nothing to decode, a prefill takes `solo_tokens` segments. A sequence loading a disk
-hit prefills its suffix in a pass of its own, which runs each layer once that layer is in its pages.
+The prefill budget is time (step_cost.py): segments whose predicted time is about `prefill_step_ratio` times the
+decode step's, so a long prefill never stops decoding (few tokens at long contexts, many at short ones); a segment
+that cannot fit a step goes as a sliced pass, a few units a step (`_timed_prefill`). Without costs yet, and in
+batch-invariant mode, the budget is `step_tokens` tokens; with nothing to decode, `solo_tokens`. A sequence
+loading a disk hit prefills its suffix in a pass of its own, which runs each layer once that layer is in its pages.
 """
 from __future__ import annotations
 
@@ -49,27 +42,20 @@ class SchedulePolicy:
             raise ValueError(f"prefill_step_ratio must be > 0, got {self.prefill_step_ratio}")
 
     def segment_sizes(self) -> list[int]:
-        """The sizes a time-sized segment takes, smallest first: the block times powers of two up to
-        solo_tokens, and solo_tokens (the runner pads a segment to a power of two, so sizes between would be
-        paid for anyway, and compile count stays small)."""
+        """The sizes a time-sized segment takes, smallest first: the block times powers of two up to solo_tokens,
+        and solo_tokens (few compiled shapes)."""
         sizes = [min(self.block_tokens, self.solo_tokens)]
         while sizes[-1] * 2 <= self.solo_tokens:
             sizes.append(sizes[-1] * 2)
         return sizes if sizes[-1] == self.solo_tokens else [*sizes, self.solo_tokens]
 
 
-SLICED_STEPS = 32  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend
-# and read the weights for more tokens at once (and the expanded form computes a layer's keys and values once
-# for more chunks), but while one is in flight another long prompt waits for it. A pass's units are a layer's
-# chunks where the kernel reads the pages, so a long segment's unit still fits a step. 32 against 8: a 16K miss
-# among 15 decoding streams got its first token after 17.8 s against 28.0 s (serve_bench's interference phase,
-# one run each; 128: 17.3 s, its segments capped at --solo-tokens)
-
-
-SLICE_GAIN = 1.25  # a sequence whose largest segment that fits a step is this much slower per token than a
-# sliced pass's segment (every pass reads all the weights and dispatches every layer: at short contexts 64 tokens
-# cost about what 256 do) gets the sliced pass instead. A 16K miss among 15 decoding streams spent its first 1,700
-# tokens in 27 steps of 64 tokens (about 50 ms each) where one sliced pass of 2,048 took 0.6 s.
+SLICED_STEPS = 32  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend and
+# read the weights for more tokens at once, but while one is in flight another long prompt waits for it (32 against
+# 8: a 16K miss among 15 decoding streams got its first token after 17.8 s against 28.0 s; serve_bench, one run)
+SLICE_GAIN = 1.25  # a sequence whose largest segment that fits a step is this much slower per token than a sliced
+# pass's segment gets the sliced pass instead: every pass reads all the weights and dispatches every layer, so at
+# short contexts 64 tokens cost about what 256 do
 
 
 class Plan(NamedTuple):
@@ -92,11 +78,8 @@ class Plan(NamedTuple):
         return [segment for group in self.passes for segment in group]
 
 
-class Shapes(Protocol):
-    """What the scheduler asks of the runner's shapes (model/runner.py)."""
-
+class Shapes(Protocol):  # what the scheduler asks of the runner (model/runner.py)
     def batchable(self, n: int, end: int) -> bool: ...
-
     def decode_shape(self, positions: list[int]) -> tuple[int, int]: ...
 
 
@@ -106,9 +89,6 @@ class Scheduler:
         self.blocks, self.policy, self.shapes = blocks, policy, shapes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-
-    def __len__(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     @property
     def loading(self) -> list[Sequence]:

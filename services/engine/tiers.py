@@ -1,15 +1,12 @@
 """The disk tier beside the model thread: a disk hit's layers read into the sequence's pages, new blocks saved.
 
-Loads run on the event loop. Each layer of a hit is read (verified) into a slot of one staging buffer, reused by
-every load and page-locked where the platform allows (`pin`), and reported through one completion queue that
-wakes the model thread; the model thread places the layer into the sequence's pages (`place`), which frees its
-slot for a later layer. A hit's prefill runs layer l as soon as layer l is placed (services/engine/core.py), so
-its time to first token approaches max(load, compute), and no other sequence's step waits on disk. The buffer
-holds `read_ahead + 2` layers of the longest hit so far, not a whole prefix; loads take it one at a time, in
-order of arrival.
-
-Saves: the model thread copies a sequence's new full blocks on the device (cheap, ordered with later steps); the
-host copy and the write happen on the event loop, and only durable data is published (kvstore).
+Loads run on the event loop. Each layer of a hit is read (verified) into a slot of one staging buffer (reused by
+every load, `read_ahead + 2` layers of the longest hit so far, page-locked where the platform allows) and comes
+to the model thread through one completion queue, which wakes it; it places the layer into the sequence's pages,
+which frees the slot for a later layer. A hit's prefill runs layer l once layer l is placed (passes.py), so its
+time to first token approaches max(load, compute) and no other sequence waits on disk. Loads take the buffer one
+at a time, in order of arrival. Saves: the model thread copies new full blocks on the device (ordered with later
+steps); the host copy and the write run on the event loop, and only durable data is published (kvstore).
 """
 from __future__ import annotations
 
@@ -58,16 +55,14 @@ class Slots:
         self.placed = 0  # layers placed (freed), in order
         self._freed = asyncio.Event()
 
-    async def take(self, layer: int) -> np.ndarray:  # kvstore.LayerBuffers
-        while layer - self.buffer.shape[0] >= self.placed:
-            self._freed.clear()
-            await self._freed.wait()
-        return self.buffer[layer % self.buffer.shape[0], :self.rows]
-
-    async def all_placed(self, layers: int) -> None:
+    async def until_placed(self, layers: int) -> None:
         while self.placed < layers:
             self._freed.clear()
             await self._freed.wait()
+
+    async def take(self, layer: int) -> np.ndarray:  # kvstore.LayerBuffers
+        await self.until_placed(layer - len(self.buffer) + 1)
+        return self.buffer[layer % len(self.buffer), :self.rows]
 
     def free(self, layer: int) -> None:
         """Layer `layer` is placed (any thread)."""
@@ -107,8 +102,7 @@ class Tiers:
     # -- loads --
 
     def load(self, seq: Sequence, end: int) -> None:
-        """Starts reading the sequence's hit up to `end` tokens (its pages hold seq.computed already); it counts
-        them computed from here, and its prefill's layer l waits for layer l (`place`). Model thread."""
+        """Starts reading the sequence's hit up to `end` tokens (model thread); it counts them computed from here."""
         seq.load = load = Load(seq.computed, end, time.perf_counter())
         seq.computed = end
         load.cancel = asyncio.run_coroutine_threadsafe(self._read(seq, load), self.loop).cancel
@@ -124,7 +118,7 @@ class Tiers:
                 for layer in range(L):
                     self.completions.put(LayerRead(seq, load, layer, await prefetch.layer(layer), slots))
                     self._wake()
-                await slots.all_placed(L)  # (the staging buffer is the next load's after that)
+                await slots.until_placed(L)  # (the staging buffer is the next load's after that)
             finally:
                 await prefetch.aclose()  # no read writes into the buffer any more
 
@@ -139,9 +133,8 @@ class Tiers:
         return self._staging
 
     def place(self, read: LayerRead) -> bool:
-        """Puts a read layer into the sequence's pages (model thread) and frees its slot. A layer shorter than the
-        load (a block failed verification) cuts the load's `end` (and the sequence's computed tokens) to it;
-        returns whether it did (the caller's pass over the longer prefix must be done again)."""
+        """Puts a read layer into the sequence's pages (model thread) and frees its slot; returns whether it came
+        shorter than the load (a block failed verification), which cuts the load's end and computed tokens there."""
         seq, load, layer = read.seq, read.load, read.layer
         if seq.load is not load:  # cancelled, or the sequence was preempted: nothing to place
             read.slots.free(layer)
@@ -209,8 +202,7 @@ class Tiers:
         return soonest
 
     def cancel(self, seq: Sequence) -> None:
-        """Stops the sequence's load (model thread): its layers are no longer placed; it counts as computed only
-        what it held before."""
+        """Stops the sequence's load (model thread); it counts as computed only what it held before."""
         load, seq.load = seq.load, None
         if load is not None:
             seq.computed = min(seq.computed, load.start)
@@ -219,8 +211,7 @@ class Tiers:
     # -- saves --
 
     def save(self, seq: Sequence, hashes: list[bytes], full: int) -> None:
-        """Hands blocks [saved_blocks, full) of the sequence to the store (model thread): the pages are copied on
-        the device here, the host copy and the disk write happen on the event loop's side."""
+        """Hands blocks [saved_blocks, full) of the sequence to the store (model thread)."""
         start = seq.saved_blocks
         layers = self.latents.read(seq.pages[start:full])
         seq.saved_blocks = full
