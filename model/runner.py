@@ -171,9 +171,8 @@ def _context(layer, pool_PBA, tables_MQ, end, into, backend, form):
 
 def _attend(layer, x_RD, q_nope_NRH, q_pe_NRR, pool_PBA, tables_MQ, positions_MT, context, backend, form):
     """A chunk's attention (the backend's), its residual and the feed-forward over its R rows: (R, D)."""
-    out_NRV = backend.prefill_attend(layer.attn, q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, context,
-                                     form)
-    x_RD = x_RD + layer.attn.output(out_NRV)
+    x_RD = x_RD + backend.prefill_attend(layer.attn, q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ,
+                                         context, form)
     return x_RD + layer.mlp(layer.post_attn_norm(x_RD))
 
 
@@ -428,10 +427,10 @@ class Runner:
                 q_nope, q_pe, self.pool.layers[layer] = self._project[layer](x, self.pool.layers[layer],
                                                                              c.positions_R, c.slots_R)
                 queries.append((q_nope, q_pe))
-            into = self.backend.context_buffer(form.name, end, context)
-            context = self._context[layer](self.pool.layers[layer], chunks[0].tables_MQ, end_, into, self.backend,
-                                           form.name)
-            if form.context_unit:
+            if form.context_unit:  # a context once per layer for all chunks (other forms have none)
+                into = self.backend.context_buffer(form.name, end, context)
+                context = self._context[layer](self.pool.layers[layer], chunks[0].tables_MQ, end_, into,
+                                               self.backend, form.name)
                 yield context
             for i, c in enumerate(chunks):
                 # the pool's array as it is now: a decode step between units donates (replaces) it

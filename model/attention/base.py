@@ -12,7 +12,7 @@ The runner (model/runner.py) calls a backend inside its jitted functions; a back
 - prefill: a pass's rows come as M tiles of T query rows; tile m belongs to one sequence and reads its pages
   through tables_MQ[m]. Per layer, once its latents are in the pool, `prefill_context` computes what the
   layer's chunks read (a gathered view, expanded keys and values, or nothing for a kernel reading pages in
-  place), then `prefill_attend` each chunk: (N, R = M * T, V) per-head values. `prefill_form` says which form
+  place), then `prefill_attend` each chunk: its attention output (R = M * T, D), after o_proj. `prefill_form` says which form
   a segment takes and whether its context costs a unit of its own (the engine slices passes by units).
 
 Invariants, kept by every backend (tests/test_attention_backends.py holds each one to them):
@@ -46,9 +46,10 @@ class Absorbed(NamedTuple):
 
 
 class PrefillForm(NamedTuple):
-    """How a prefill segment's attention is computed: `name` is the backend's own; `context_unit` says the layer's
-    context is worth a unit of its own (expanded keys and values); `fixed_table`: every segment's table takes the
-    pool's widest width (a kernel reading only each row's own range: one compiled shape per chunk size)."""
+    """How a prefill segment's attention is computed: `name` is the backend's own; `context_unit`: the form has a
+    context (`prefill_context`, once per layer: expanded keys and values), a unit of its own (without one the
+    context is None); `fixed_table`: every segment's table takes the pool's widest width (a kernel reading only
+    each row's own range: one compiled shape per chunk size)."""
     name: str
     context_unit: bool
     fixed_table: bool = False

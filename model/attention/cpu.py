@@ -118,8 +118,8 @@ class CpuBackend(XlaBackend):
             view = tables_MQ.shape[1] * pool_PBA.shape[1]
             out_NRC = cpu_kernels.mla_prefill_paged_attention(q_NRA, pool_PBA, tables_MQ, positions_MT, attn.scale,
                                                               view, attn.kv_lora_rank)
-            return attn.latent_values(out_NRC.astype(dtype))
+            return attn.output(attn.latent_values(out_NRC.astype(dtype)))
         if form == "laid":
             q_NTK = jnp.concatenate([q_nope_NRH.astype(dtype), q_pe_NRR.astype(dtype)], axis=-1)
-            return cpu_kernels.mla_prefill_expanded_attention(q_NTK, context, positions_MT[0], attn.scale)
+            return attn.output(cpu_kernels.mla_prefill_expanded_attention(q_NTK, context, positions_MT[0], attn.scale))
         return super().prefill_attend(attn, q_nope_NRH, q_pe_NRR, positions_MT, pool_PBA, tables_MQ, context, form)

@@ -103,16 +103,15 @@ class XlaBackend(AttentionBackend):
         N, dtype = q_nope_NRH.shape[0], attn.products_dtype()
         views_MSA, expanded = context or (views(pool_PBA, tables_MQ), None)
 
-        def tile(q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded):
-            return self.attend(attn, q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype), positions_T, view_SA,
-                               expanded)
+        def tile(q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded):  # (T, D), its rows' o_proj its own
+            return attn.output(self.attend(attn, q_nope_NTH.astype(dtype), q_pe_NTR.astype(dtype), positions_T,
+                                           view_SA, expanded))
 
         if M == 1:  # one sequence's chunk: no vmap
             return tile(q_nope_NRH, q_pe_NRR, positions_MT[0], views_MSA[0],
                         None if expanded is None else (expanded[0][0], expanded[1][0]))
         split = (lambda x: x.reshape(N, M, T, -1).transpose(1, 0, 2, 3))
-        out_MNTV = jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, views_MSA, expanded)
-        return out_MNTV.transpose(1, 0, 2, 3).reshape(N, M * T, -1)
+        return jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, views_MSA, expanded).reshape(M * T, -1)
 
     def attend(self, attn, q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded) -> jax.Array:
         """(N, T, V): T queries (at the products dtype) over view rows [0, position], blockwise. Absorbed, a key
