@@ -1,23 +1,18 @@
 """Hugging Face DeepSeek-V2/V3 safetensors -> a DeepInfer model directory, streamed tensor by tensor.
 
-Every parameter is read, converted (transposed to (in, out), split, cast), hashed and written into
-the orbax checkpoint on its own, one at a time; the routed experts, stacked (E, D, I) in our layout,
-one expert at a time. Reads are `pread`s into fresh buffers, not memory maps, so no file page ever
-counts against this process. Peak host memory is the largest non-expert tensor (read once and
-transposed once) or one expert's matrix, plus tensorstore's write buffers; tests/test_model_convert.py
-measures it. Every HF tensor's shape is checked from the headers before anything is written.
+Each parameter is read, converted (transposed to (in, out), split, cast), hashed and written into the orbax
+checkpoint alone; routed experts, stacked (E, D, I) in our layout, one expert at a time. Reads are `pread`s into
+fresh buffers, not memory maps, so no file page counts against this process: peak host memory is the largest
+non-expert tensor (read and transposed once) or one expert's matrix, plus tensorstore's write buffers
+(tests/test_model_convert.py measures it). Every HF tensor's shape is checked from the headers before anything
+is written. Multi-token-prediction layers (past num_hidden_layers) are skipped.
 
-FP8 block-scaled weights (DeepSeek-V3's e4m3 with `weight_scale_inv` per 128x128 tile) are
-dequantised per tensor, as they stream, to the model's param dtype (bf16 unless overridden).
-Why not keep FP8 and dequantise inside the matmul: that needs block-scaled FP8 matmuls, which XLA
-has on no backend this project runs (XLA:CPU has none, and XLA:GPU's FP8 dots take per-tensor
-scales, not 128x128 tiles), so it would dequantise whole tensors at every step instead. Accuracy:
-e4m3 x fp32 scale rounded to bf16 is within half a bf16 ulp (2^-9 relative) of the exact product,
-the same rounding the bf16 compute applies anyway. The cost is memory: V3 in bf16 is 1.34 TB of
-weights against 0.67 TB in FP8, twice the devices (README "Real models"). FP8 storage with a
-Pallas/Triton block-scaled matmul is the way to halve that, behind `Linear` and `grouped_swiglu`.
-
-Multi-token-prediction layers (past num_hidden_layers) are skipped.
+FP8 block-scaled weights (V3's e4m3 with a `weight_scale_inv` per 128x128 tile) are dequantised as they stream,
+to the param dtype (bf16 unless overridden): no XLA backend here has block-scaled FP8 matmuls (XLA:GPU's FP8 dots
+take per-tensor scales), so keeping FP8 would dequantise whole tensors every step. e4m3 x fp32 scale rounded to
+bf16 is within half a bf16 ulp of the exact product, as bf16 compute rounds anyway. The cost is twice the memory
+(V3: 1.34 TB against 0.67 TB, README "Real models"); a block-scaled FP8 matmul behind `Linear` and
+`grouped_swiglu` would halve it.
 """
 from __future__ import annotations
 
@@ -39,7 +34,7 @@ from tqdm import tqdm
 
 from model.config import ModelConfig, from_hf_config
 from model.transformer import DeepseekModel
-from model.weights import combine_digest, tensor_line, write_identity
+from model.weights import combine_digest, flat_params, nest_params, tensor_line, write_identity
 from model.tokenizer_files import copy_tokenizer_files
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -229,19 +224,6 @@ class Converted(NamedTuple):
     weights_digest: str
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        out.update(_flat(value, name) if isinstance(value, dict) else {name: value})
-    return out
-
-
-def _nest(tree: dict, leaves: dict, prefix: str = "") -> dict:
-    return {key: _nest(value, leaves, f"{prefix}{key}.") if isinstance(value, dict) else leaves[f"{prefix}{key}"]
-            for key, value in tree.items()}
-
-
 def _check_shapes(hf_dir: Path, hf: SafetensorsDir, cfg: ModelConfig, expected: dict) -> None:
     """Every tensor we need exists and has the right shape, from the headers alone."""
     checks = _sources(cfg, hf, hf.shape_only)
@@ -269,7 +251,7 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
     hf = SafetensorsDir(hf_dir)
 
     target = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0))), nnx.Param))
-    expected = _flat(target)
+    expected = flat_params(target)
     _check_shapes(hf_dir, hf, cfg, expected)
     if (out / "params").exists():
         raise FileExistsError(f"{out} already holds a model; choose an empty directory")
@@ -287,12 +269,10 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
               disable=not progress) as bar:
         registry = ocp.type_handlers.create_type_handler_registry((Streamed, StreamedHandler(bar, lines)))
         handler = ocp.PyTreeCheckpointHandler(
-            type_handler_registry=registry,
-            # One zarr array per tensor, not one OCDBT database: OCDBT's writer held memory in
-            # proportion to everything written (300 MiB for a 1.2 GiB checkpoint, 122 MiB without).
-            use_ocdbt=False)
+            # One zarr array per tensor: OCDBT's writer holds memory in proportion to everything written.
+            type_handler_registry=registry, use_ocdbt=False)
         with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(out / "params", _nest(target, leaves))
+            checkpointer.save(out / "params", nest_params(target, leaves))
     digest = combine_digest(lines)
     copy_tokenizer_files(hf_dir, out)
     shapes = {path: list(want.shape) for path, want in expected.items()}

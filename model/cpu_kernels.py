@@ -1,17 +1,16 @@
-"""CPU kernels of our own, as XLA FFI custom calls, built for this machine on first use (the `cpu` attention
-backend, model/attention/cpu.py, and the served model's few-row products call them).
+"""CPU kernels of our own as XLA FFI custom calls, built for this machine on first use; the `cpu` attention
+backend (model/attention/cpu.py) and the served model's few-row products call them.
 
 - `paged_mla_decode` (kernels/paged_mla_decode.cc): decode attention read in place from the paged pool.
-- `few_row_product` (kernels/few_row_product.cc): a product of a few rows with bfloat16 weights, streaming the
-  weights once, where XLA's bfloat16 product of so few rows ran well below memory speed.
-- `mla_prefill_attention`, `mla_prefill_paged_attention` (kernels/mla_prefill_attention.cc, AMX only): absorbed
-  prefill attention on AMX tiles, over a latent view or over sequences' pages in place; `mla_expand_pages` and
-  `mla_prefill_expanded_attention` (same file): the expanded form, each head's keys and values computed on the
-  tiles once per layer, then each head over its own.
+- `few_row_product` (kernels/few_row_product.cc): a few rows times bfloat16 weights, streaming the weights once
+  (XLA:CPU's bfloat16 product of so few rows runs well below memory speed).
+- kernels/mla_prefill_attention.cc (AMX only): `mla_prefill_attention` and `mla_prefill_paged_attention`, absorbed
+  prefill attention over a latent view or over sequences' pages in place; `mla_expand_pages` and
+  `mla_prefill_expanded_attention`, the expanded form (each head's keys and values computed once per layer).
 
-They are compiled with the system's C++ compiler (`$CXX`, else g++) for the CPU they run on (-march=native)
-into one library in the compilation cache's directory, keyed by everything that shapes the binary (about 7 s,
-once a machine). Without a compiler, or with DEEPINFER_CPU_KERNELS=0, they are unavailable: XLA's paths serve.
+One library, compiled with `$CXX` (else g++) at -march=native into the compilation cache's directory, keyed by
+everything that shapes the binary (once a machine). Without a compiler, or with DEEPINFER_CPU_KERNELS=0, they
+are unavailable and XLA's paths serve.
 """
 from __future__ import annotations
 
@@ -64,8 +63,8 @@ def _cpu_flags() -> str:
 
 
 def has_amx() -> bool:
-    """Whether this CPU has AMX's bfloat16 tiles (its flags say so; whether the OS grants them is the kernels'
-    own check): XLA's bfloat16 products run on them, and without them take slower paths (model/serving.py)."""
+    """Whether this CPU's flags list AMX's bfloat16 tiles (whether the OS grants them is the kernels' check):
+    XLA's bfloat16 products run on them, and without them take slower paths (model/serving.py)."""
     return "amx_bf16" in _cpu_flags().split()
 
 
@@ -103,16 +102,14 @@ def _load() -> tuple[bool, str]:
         return False, "no C++ compiler (set CXX or install g++)"
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PagedMlaDecode), platform="cpu")
-        jax.ffi.register_ffi_target(FEW_ROWS_TARGET, jax.ffi.pycapsule(library.FewRowProduct), platform="cpu")
+        for target, symbol in ((TARGET, "PagedMlaDecode"), (FEW_ROWS_TARGET, "FewRowProduct"),
+                               (PREFILL_TARGET, "MlaPrefillAttention"),
+                               (PAGED_PREFILL_TARGET, "MlaPrefillPagedAttention"),
+                               (EXPANDED_PREFILL_TARGET, "MlaPrefillExpandedAttention"),
+                               (EXPAND_PAGES_TARGET, "MlaExpandPages")):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         library.FewRowProductMaxRows.restype = ctypes.c_int64
-        _state["few_rows"] = int(library.FewRowProductMaxRows())  # 32 where AMX is granted, else 4
-        jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(library.MlaPrefillAttention), platform="cpu")
-        jax.ffi.register_ffi_target(PAGED_PREFILL_TARGET, jax.ffi.pycapsule(library.MlaPrefillPagedAttention),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(EXPANDED_PREFILL_TARGET,
-                                    jax.ffi.pycapsule(library.MlaPrefillExpandedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(EXPAND_PAGES_TARGET, jax.ffi.pycapsule(library.MlaExpandPages), platform="cpu")
+        _state["few_rows"] = int(library.FewRowProductMaxRows())
         _state["prefill"] = bool(library.MlaPrefillAttentionAvailable())  # AMX only
         _state["decode_amx"] = bool(library.PagedMlaDecodeAmxAvailable())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -169,14 +166,12 @@ def cpu_kind() -> str:
 
 
 def decode_serves() -> bool:
-    """Whether the decode kernel serves this CPU (where it builds): with AVX-512, AMX, or AVX2 and FMA (its
-    portable vectors lost to XLA: decode_attention_bench)."""
+    """Whether the decode kernel serves this CPU (where it builds): not on portable vectors, which lose to XLA."""
     return cpu_kind() != "portable"
 
 
 def few_rows_serve() -> bool:
-    """Whether serving takes the few-row kernel: where it builds, on a CPU with AVX-512, AMX, or AVX2 and FMA
-    (elsewhere its portable loop of up to 4 rows lost to XLA: few_rows_bench)."""
+    """Whether serving takes the few-row kernel: where it builds, not on portable vectors, which lose to XLA."""
     return few_rows_max() > 0 and cpu_kind() != "portable"
 
 
@@ -185,10 +180,9 @@ def few_rows_supported(rows: int, in_dim: int) -> bool:
 
 
 def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
-    """x_MI (1 to few_rows_max() rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI: x rounded to bfloat16,
-    products summed in float32; (M, O) float32. Each weight is read once for all rows
-    (kernels/few_row_product.cc). With a leading batch, x (N, M, I) and w (N, O, I): N such products in one
-    call, (N, M, O)."""
+    """x_MI (1 to few_rows_max() rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI, reading each weight once:
+    x rounded to bfloat16, products summed in float32; (M, O) float32. With a leading batch, x (N, M, I) and
+    w (N, O, I): N such products in one call, (N, M, O)."""
     *lead, M, _ = x_MI.shape
     O = w_OI.shape[-2]
     return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((*lead, M, O), jnp.float32),

@@ -25,9 +25,8 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
-# Strings whose single tokens close structures, most closing first: the greedy closing path's choices. Inside
-# free text (a string: most of the vocabulary allowed) a quote closes; elsewhere brackets close, then the
-# shortest values.
+# The greedy closing path's choices, strings of one token each, most closing first: inside free text (a string:
+# most of the vocabulary allowed) a quote; elsewhere brackets, then the shortest values.
 CLOSERS_IN_TEXT = ('"}}', '"}', '"]', '""}', '"')
 CLOSERS = ('}}', '}]', ']}', '}', ']', '""}', '""', '"}', '"]', '0}', '0', '[]', '{}', 'null', 'false', 'true', '"',
            ',', ':')
@@ -114,8 +113,7 @@ _shared_lock = threading.Lock()
 
 
 def token_grammar(tokenizer_json: Path, vocab_size: int, eos_token_id: int) -> TokenGrammar:
-    """One TokenGrammar per tokenizer file and vocabulary in this process (the tokenizer takes seconds);
-    raises GrammarError when the tokenizer does not fit the model."""
+    """This process's TokenGrammar for a tokenizer file and vocabulary; GrammarError if they do not fit."""
     with _shared_lock:
         grammar = _shared(str(tokenizer_json), vocab_size, eos_token_id)
     if isinstance(grammar, GrammarError):
@@ -196,8 +194,7 @@ class GrammarState:
             return True
         if self._fresh:  # followed the path (or checked the token): still the closing path
             return False
-        slack = remaining - self.need - CHECK_BAND
-        # Far from the end checks are rarer: the slack shrinks by at most GROWTH per token.
+        slack = remaining - self.need - CHECK_BAND  # shrinks by at most GROWTH per token
         return slack <= 0 or self._since_check >= max(CHECK_EVERY, slack // GROWTH)
 
     def _check(self) -> None:

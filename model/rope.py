@@ -60,10 +60,8 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 def apply_rope(x_TNR: jnp.ndarray, positions_T: jnp.ndarray, inv_freq: np.ndarray, scaling: float) -> jnp.ndarray:
-    """Rotates interleaved pairs (x0,x1),(x2,x3).. of the last axis; output is [evens' | odds'] halves.
-
-    x_TNR: (T, N, R) for queries or (T, 1, R) for the shared key; positions_T: (T,) absolute positions.
-    """
+    """Rotates interleaved pairs (x0,x1),(x2,x3).. of the last axis into [evens' | odds'] halves. x_TNR: (T, N, R)
+    for queries or (T, 1, R) for the shared key; positions_T: (T,) absolute positions."""
     freqs_TF = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # (T, R/2)
     cos_T1F = (jnp.cos(freqs_TF) * scaling)[:, None, :].astype(x_TNR.dtype)
     sin_T1F = (jnp.sin(freqs_TF) * scaling)[:, None, :].astype(x_TNR.dtype)

@@ -101,11 +101,9 @@ ARGMAX_CHUNK = 128  # vocabulary entries per chunk of argmax_tokens' first pass
 
 
 def argmax_tokens(logits_BV: jax.Array) -> jax.Array:
-    """jnp.argmax over the vocabulary (the first index of each row's maximum), as two plain reductions: the
-    maximum of every chunk of ARGMAX_CHUNK entries, then the first chunk holding the row's maximum and the first
-    entry in it. XLA:CPU computes argmax as one variadic reduction that it does not vectorize: for 16 rows of
-    129,280 float32 logits 3.3 ms against 0.7 (bfloat16: 5.7 against 0.5; 64 rows 13-21 ms against 1.6-2.1),
-    every decode step. A row with a NaN gives 0 (argmax would give the NaN's index)."""
+    """jnp.argmax over the vocabulary (the first index of each row's maximum) as plain reductions, since XLA:CPU
+    does not vectorize argmax's variadic one: the maximum of every chunk of ARGMAX_CHUNK entries, then the first
+    chunk holding the row's maximum and the first entry in it. A row with a NaN gives 0."""
     B, V = logits_BV.shape
     C = -(-V // ARGMAX_CHUNK)
     padded_BV = logits_BV if C * ARGMAX_CHUNK == V else jnp.pad(
@@ -120,9 +118,8 @@ def argmax_tokens(logits_BV: jax.Array) -> jax.Array:
 
 
 def _sample_keyed(logits_V, seed_2, step, temperature, top_p, top_k, cut: bool):
-    """cut (static): some row of the batch has a top-k or top-p cut, which needs a sort of the vocabulary;
-    without one a draw is one categorical over the scaled logits (a sort of 129K logits per row costs
-    ~80 ms on a CPU)."""
+    """cut (static): some row of the batch has a top-k or top-p cut, which needs a costly sort of the vocabulary;
+    without one a draw is one categorical over the scaled logits."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_2[0]), seed_2[1]), step)
     temperature = jnp.where(temperature > 0, temperature, 1.0)
     if not cut:
@@ -137,9 +134,7 @@ def _sample_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, 
     return jnp.where(temperature_B > 0, sampled_B, argmax_tokens(logits_BV))
 
 
-@jax.jit
-def _greedy_rows(logits_BV):
-    return argmax_tokens(logits_BV)
+_greedy_rows = jax.jit(argmax_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("logprobs", "top_n", "draw", "cut", "penalize", "bias", "mask"))
@@ -183,12 +178,10 @@ def _pow2(n: int) -> int:
 
 
 def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
-    """One token per row of a (B, V) logits batch, each row with its own parameters, on the device.
-
-    The one sampler interface of the engine. Rows are padded to a power of two (and penalty counts and
-    bias lists to powers of two) so batch sizes share compiled shapes; logits may come with more rows
-    than `rows` (a padded decode batch's). A batch in which no row uses penalties, bias, a grammar mask or
-    logprobs takes the plain paths (greedy: `argmax_tokens`)."""
+    """The engine's sampler: one token per row of a (B, V) logits batch (B may exceed len(rows): a padded
+    decode batch), each row with its own parameters, on the device. Rows, penalty counts and bias lists are
+    padded to powers of two so batch sizes share compiled shapes; a batch without penalties, bias, a grammar
+    mask or logprobs takes the plain paths (greedy: `argmax_tokens`)."""
     n = len(rows)
     padded = _pow2(n)
     if logits_BV.shape[0] < padded:

@@ -5,19 +5,15 @@ Mesh axes (a `jax.sharding.Mesh` of shape (tensor, expert)):
 - "tensor": attention heads (q_b_proj/q_proj columns, W_UK, W_UV, o_proj rows), the intermediate
   dim of dense and shared-expert MLPs and of each routed expert, and the vocabulary (embedding rows,
   LM head columns). XLA (GSPMD) inserts the all-reduces after o_proj and down_proj.
-- "expert": the routed experts. Inside the MoE, `expert_parallel` runs `routed_experts` under
-  `shard_map`: each device sorts the token copies routed to its own experts, runs only those, and the
-  partial sums are added over the mesh (tokens are replicated, so no all-to-all is needed at the
-  batch sizes one engine runs; an all-to-all dispatch can replace the psum behind the same call).
+- "expert": the routed experts. `expert_parallel` runs `routed_experts` under `shard_map`: each device
+  runs only the token copies routed to its own experts and the partial sums are added over the mesh
+  (tokens are replicated: no all-to-all at one engine's batch sizes; one could replace the psum).
 
-The latent cache is replicated, not split. MLA caches one latent per token per layer, c_kv (512)
-and k_pe (64), shared by every head: there is no head axis to split it along, as a per-head K/V
-cache would be split under tensor parallelism. Each device's heads read the whole latent (W_UK and
-W_UV are split by head, the latent is not). Splitting it by latent dim would make every attention
-score a cross-device sum; splitting it by token (context parallelism) only pays off at context
-lengths where one device cannot hold the cache: 1,152 bytes per token per layer in bf16 is 70 KB
-per token for V3's 61 layers, so 128K tokens is 9 GB per device, replicated. Replication also keeps
-the disk tier unchanged: a block of latents loads into every device as it is stored.
+The latent cache is replicated: MLA caches one latent per token per layer (c_kv 512 and k_pe 64),
+shared by every head, so there is no head axis to split it along; each device's heads read it whole.
+Split by latent dim, every attention score would be a cross-device sum; split by token (context
+parallelism), it only pays where one device cannot hold it (V3 in bf16: 70 KB per token, 9 GB at 128K
+tokens). Replication also keeps the disk tier unchanged: a block loads into every device as stored.
 
 Parameters whose dim does not divide by its axis's size stay replicated on that axis.
 """

@@ -1,11 +1,6 @@
-"""A checkpoint's tokenizer, kept with the converted model: the gateway tokenizes with it.
-
-A real DeepSeek checkpoint ships tokenizer.json (the vocabulary: V2's 102K ids, V3's 129K) and
-tokenizer_config.json (special tokens and the chat template). The converter copies whichever are
-present into the model directory, next to config.json; the gateway (given the model directory) and
-the engine's grammar masks (model/grammar.py) use them, and fall back to the packaged DeepSeek-V3
-tokenizer when there are none.
-"""
+"""A checkpoint's tokenizer files (V2's 102K ids or V3's 129K, special tokens, chat template), copied by the
+converter next to config.json; the gateway and the engine's grammar masks (model/grammar.py) use them, and
+fall back to the packaged DeepSeek-V3 tokenizer when there are none."""
 from __future__ import annotations
 
 import shutil

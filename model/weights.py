@@ -32,15 +32,19 @@ class LoadedModel(NamedTuple):
     weights_digest: str
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, jax.Array]:
-    out: dict[str, jax.Array] = {}
+def flat_params(tree: dict, prefix: str = "") -> dict:
+    """A nested parameter dict as {dotted name: leaf}."""
+    out = {}
     for key, value in tree.items():
         name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict):
-            out.update(_flat(value, name))
-        else:
-            out[name] = value
+        out.update(flat_params(value, name) if isinstance(value, dict) else {name: value})
     return out
+
+
+def nest_params(tree: dict, leaves: dict, prefix: str = "") -> dict:
+    """`tree`'s nesting with every leaf replaced by leaves[its dotted name]."""
+    return {key: nest_params(value, leaves, f"{prefix}{key}.") if isinstance(value, dict) else leaves[f"{prefix}{key}"]
+            for key, value in tree.items()}
 
 
 def tensor_line(name: str, shape: tuple[int, ...], dtype, sha256_hex: str) -> bytes:
@@ -53,10 +57,10 @@ def combine_digest(lines: dict[str, bytes]) -> str:
 
 
 def weights_digest(model: DeepseekModel) -> str:
-    """sha256 over every parameter's `tensor_line`, in name order. Hashing each tensor on its own
-    lets the streaming converter hash tensors in whatever order it writes them."""
+    """sha256 over every parameter's `tensor_line` in name order (so the streaming converter may hash
+    tensors in whatever order it writes them)."""
     lines = {}
-    for name, value in _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
+    for name, value in flat_params(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
         array = np.ascontiguousarray(np.asarray(value))
         lines[name] = tensor_line(name, array.shape, array.dtype, hashlib.sha256(array.view(np.uint8)).hexdigest())
     return combine_digest(lines)
@@ -79,7 +83,7 @@ def save_model(model: DeepseekModel, cfg: ModelConfig, out: str | os.PathLike) -
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / "params", params)
-    shapes = {name: list(np.shape(v)) for name, v in _flat(params).items()}
+    shapes = {name: list(np.shape(v)) for name, v in flat_params(params).items()}
     return LoadedModel(model, cfg, write_identity(out, cfg, digest, shapes), digest)
 
 
@@ -93,10 +97,8 @@ def write_identity(out: Path, cfg: ModelConfig, digest: str, shapes: dict[str, l
 
 
 def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -> LoadedModel:
-    """Restores a saved model; a missing or misshapen tensor fails naming the tensor.
-
-    With a mesh, every parameter is read straight into its shards (orbax restores each device's
-    slice of each tensor), never whole on one device; see model/sharding.py for the layout."""
+    """Restores a saved model; a missing or misshapen tensor fails naming the tensor. With a mesh, each
+    device reads only its own slice of each parameter (layout: model/sharding.py)."""
     path = Path(path).absolute()
     for needed in ("config.json", "meta.json", "params"):
         if not (path / needed).exists():
@@ -107,9 +109,10 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
     target = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    expected = {name: tuple(v.shape) for name, v in _flat(target).items()}
+    expected = {name: tuple(v.shape) for name, v in flat_params(target).items()}
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = {name: tuple(m.shape) for name, m in _flat(checkpointer.metadata(path / "params").item_metadata.tree).items()}
+        stored_tree = checkpointer.metadata(path / "params").item_metadata.tree
+        stored = {name: tuple(m.shape) for name, m in flat_params(stored_tree).items()}
         for name, shape in expected.items():
             if name not in stored:
                 raise ValueError(f"checkpoint {path}: tensor {name} is missing")
@@ -120,8 +123,7 @@ def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -
                                                                                sharding=sharding),
                                   target, param_shardings(target, mesh))
         restored = checkpointer.restore(path / "params", target)
-    # orbax hands back what was saved: numpy arrays for a converted model. As jit arguments those
-    # would be copied to the device on every call, so place every parameter on the device once.
+    # A converted model restores as numpy arrays, which jit would copy to the device on every call.
     nnx.replace_by_pure_dict(state, restored if mesh is not None else jax.tree.map(jnp.asarray, restored))
     model = nnx.merge(graphdef, state)
     digest = meta["weights_digest"]
@@ -145,7 +147,7 @@ def init_on_device(cfg: ModelConfig, seed: int = 0) -> DeepseekModel:
     N(0, 0.02) matrices, unit norms, zero router bias. Not the bytes of `init_model`; for benchmarks."""
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
-    names = _flat(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     key = jax.random.key(seed)
 
     @partial(jax.jit, static_argnums=(1, 2))
@@ -153,17 +155,12 @@ def init_on_device(cfg: ModelConfig, seed: int = 0) -> DeepseekModel:
         return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
 
     values = {}
-    for i, (name, value) in enumerate(sorted(names.items())):
+    for i, (name, value) in enumerate(sorted(flat_params(tree).items())):
         if name.endswith("norm.weight"):
             values[name] = jnp.ones(value.shape, value.dtype)
         elif name.endswith("e_score_correction_bias"):
             values[name] = jnp.zeros(value.shape, value.dtype)
         else:
             values[name] = normal(jax.random.fold_in(key, i), tuple(value.shape), value.dtype)
-    tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-
-    def fill(node: dict, prefix: str = "") -> dict:
-        return {k: fill(v, f"{prefix}{k}.") if isinstance(v, dict) else values[f"{prefix}{k}"] for k, v in node.items()}
-
-    nnx.replace_by_pure_dict(state, fill(tree))
+    nnx.replace_by_pure_dict(state, nest_params(tree, values))
     return nnx.merge(graphdef, state)

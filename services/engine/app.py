@@ -28,8 +28,6 @@ from services.engine.config import EngineConfig
 from services.engine.engine_metrics import EngineMetrics
 from services.engine.core import Engine, QueueFull
 from services.engine.sequence import Job
-# INT31: token ids, max_tokens, top_k (far beyond any vocabulary or context); INT63: seeds (OpenAI's
-# seed is an int64) and the ints of a hit's segment runs. The document states them; parse_job applies them.
 from services.engine.openapi_document import INT31, INT63, RETENTION_CLASSES, engine_openapi_document
 from services.engine.model_source import open_model
 
@@ -236,7 +234,7 @@ class EngineState:
             out |= self.engine.stats()
         if self.cache is not None:
             out["cache_connected"] = self.cache.store is not None
-            stats = getattr(self.cache.store, "stats", None)  # a mounted BlockStore has stats; the remote client not
+            stats = getattr(self.cache.store, "stats", None)  # a mounted BlockStore's, not the remote client's
             if dataclasses.is_dataclass(stats):
                 out["store"] = dataclasses.asdict(stats)
         return out
@@ -328,6 +326,11 @@ def build_app(cfg: EngineConfig) -> web.Application:
     async def admin_stats(_: web.Request) -> web.Response:
         return web.json_response(state.stats())
 
+    async def admin_drop_memory_tier(_: web.Request) -> web.Response:
+        if state.engine is None:
+            return _error(503, "the engine is still loading its model", kind="service_unavailable")
+        return web.json_response({"dropped_pages": await state.engine.drop_memory_tier()})
+
     async def openapi(_: web.Request) -> web.Response:
         if not state.ready:
             return _error(503, "the engine is still loading its model", kind="service_unavailable",
@@ -339,19 +342,13 @@ def build_app(cfg: EngineConfig) -> web.Application:
         app["loader"] = asyncio.create_task(state.start())
 
     async def on_cleanup(_: web.Application) -> None:
-        # Cleanup, not shutdown: aiohttp runs shutdown hooks before it waits for in-flight requests,
-        # so stopping the store there failed their saves (and reads); cleanup comes after them.
+        # Cleanup, not shutdown: aiohttp runs shutdown hooks before in-flight requests end (and save).
         app["loader"].cancel()
         await state.stop()
 
     app.router.add_post("/internal/generate", generate)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    async def admin_drop_memory_tier(_: web.Request) -> web.Response:
-        if state.engine is None:
-            return _error(503, "the engine is still loading its model", kind="service_unavailable")
-        return web.json_response({"dropped_pages": await state.engine.drop_memory_tier()})
-
     app.router.add_get("/admin/stats", admin_stats)
     app.router.add_post("/admin/memory-tier/drop", admin_drop_memory_tier)
     app.router.add_get("/openapi.json", openapi)

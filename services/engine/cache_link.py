@@ -1,8 +1,6 @@
-"""The engine's link to the latent cache: a BlockStore over the mounted volumes and the Redis index.
-
-The cache is an accelerator, not a dependency: if Redis or a volume is unreachable at start the
-engine serves misses and keeps trying to connect in the background.
-"""
+"""The engine's link to the latent cache: a BlockStore over the mounted volumes and the Redis index, or the
+kvstore service's client. The cache is an accelerator, not a dependency: while Redis or a volume is
+unreachable at start the engine serves misses and keeps trying to connect in the background."""
 from __future__ import annotations
 
 import asyncio

@@ -47,33 +47,27 @@ class EngineConfig:
         "help": "tokens per model step while sequences decode (their decode tokens + prefill chunks) before "
                 "step costs are measured, and the fixed prefill cut in --batch-invariant mode"})
     prefill_step_ratio: float = field(default=2.0, metadata={
-        "help": "while sequences decode, each step's prefill segments take about this many times the decode "
-                "step's time (predicted from measured steps: fewer tokens at long contexts; at least one block, "
-                "at most --solo-tokens)"})
+        "help": "while sequences decode, each step's prefill segments take about this many times the decode step's "
+                "time (predicted from measured steps; at least one block, at most --solo-tokens)"})
     solo_tokens: int = field(default=2048, metadata={
         "help": "prefill tokens per step while nothing decodes (a newcomer waits at most one such step)"})
-    pool_tokens: int = field(default=0, metadata={
-        "help": "latent pool size in tokens (0: from --pool-gib)"})
+    pool_tokens: int = field(default=0, metadata={"help": "latent pool size in tokens (0: from --pool-gib)"})
     pool_gib: float = field(default=0.0, metadata={
         "help": f"latent pool size in GiB (0: {POOL_MEMORY_SHARE:.0%} of this machine's memory, at most "
                 f"{POOL_GIB_CAP:g} GiB, so several engines and stacks share a machine)"})
     memory_tier: bool = field(default=True, metadata={
-        "help": "keep finished sequences' blocks in the pool, keyed by block hash, and serve repeated prefixes "
-                "from there (the memory tier)"})
+        "help": "keep finished sequences' blocks in the pool by block hash to serve repeated prefixes (memory tier)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "a sequence's logits are bit-identical whatever shares its steps (fixed batch shape, fixed "
                 "prefill cuts; costs throughput, see BENCHMARKS.md)"})
     dtype: str = field(default="bfloat16", metadata={
-        "help": "serving dtype: the model's projections (stored (out, in)) and decode attention take their "
-                "inputs at it and accumulate in float32. bfloat16 (as vLLM serves a float32 checkpoint at half "
-                "precision; CPUs with matrix units run it several times faster, see BENCHMARKS.md) or float32 "
-                "(the checkpoint's own numerics)"})
+        "help": "serving dtype of the projections' and decode attention's inputs (sums in float32): bfloat16 (several "
+                "times faster on CPUs with matrix units, see BENCHMARKS.md) or float32 (the checkpoint's numerics)"})
     attention: str = field(default="auto", metadata={
         "help": "attention backend (model/attention/): auto (cpu where our CPU kernels serve this machine, else "
                 "xla), xla (plain JAX, every platform) or cpu"})
     save_every_tokens: int = field(default=2048, metadata={
-        "help": "during a long prefill, save its full blocks every this many tokens (a cancelled or "
-                "preempted prefill keeps its progress)"})
+        "help": "save a long prefill's full blocks every this many tokens (a cancelled or preempted one keeps them)"})
     prefetch_deadline_factor: float = field(default=1.0, metadata={
         "help": "recompute instead of waiting for disk once a load takes this many times its recompute time"})
     heartbeat_s: float = field(default=5.0, metadata={
@@ -108,7 +102,6 @@ class EngineConfig:
         check_serving_dtype(self.dtype)
         if self.attention not in ("auto", *BACKENDS):
             raise ValueError(f"attention must be auto, {' or '.join(BACKENDS)}, got {self.attention!r}")
-
         if self.pool_tokens < 0 or self.pool_gib < 0:
             raise ValueError("pool_tokens and pool_gib must be >= 0")
 

@@ -64,12 +64,9 @@ class EngineMetrics:
         self.overlapped_units = Counter("deepinfer_engine_prefill_units_overlapping_load_total",
                                         "Prefill units (a layer's chunk) of disk hits computed while later layers of "
                                         "their prefix were still loading", registry=r)
-        self.bytes_loaded = Counter("deepinfer_engine_loaded_bytes_total", "Latent bytes loaded on hits",
-                                    registry=r)
-        self.generated_tokens = Counter("deepinfer_engine_generated_tokens_total", "Tokens generated",
-                                        registry=r)
-        self.decode_seconds = Counter("deepinfer_engine_decode_seconds_total", "Time spent decoding",
-                                      registry=r)
+        self.bytes_loaded = Counter("deepinfer_engine_loaded_bytes_total", "Latent bytes loaded on hits", registry=r)
+        self.generated_tokens = Counter("deepinfer_engine_generated_tokens_total", "Tokens generated", registry=r)
+        self.decode_seconds = Counter("deepinfer_engine_decode_seconds_total", "Time spent decoding", registry=r)
         self.step_seconds = Counter("deepinfer_engine_step_seconds_total",
                                     "Time the model thread spent in steps (model calls, sampling, bookkeeping); "
                                     "the rest of the wall time it waited for work", registry=r)
@@ -82,8 +79,7 @@ class EngineMetrics:
         self.prefill_aborted = Counter("deepinfer_engine_prefill_passes_aborted_total",
                                        "Sliced prefill passes closed part-way (their sequence was cancelled or "
                                        "preempted)", registry=r)
-        self.requests = Counter("deepinfer_engine_requests_total", "Requests by outcome", ["outcome"],
-                                registry=r)
+        self.requests = Counter("deepinfer_engine_requests_total", "Requests by outcome", ["outcome"], registry=r)
         self.cache_fallbacks = Counter("deepinfer_engine_cache_fallbacks_total",
                                        "Hits served (partly) by recompute, by reason", ["reason"], registry=r)
         self.saves = Counter("deepinfer_engine_saves_total", "Block saves by outcome", ["outcome"], registry=r)
@@ -99,8 +95,7 @@ class EngineMetrics:
                                      "Model steps that raised (their sequences got an error)", registry=r)
         self.decode_batch = Histogram("deepinfer_engine_decode_batch_size", "Sequences per decode step",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.pool_pages = Gauge("deepinfer_engine_pool_pages", "Pages in the latent pool (one block each)",
-                                registry=r)
+        self.pool_pages = Gauge("deepinfer_engine_pool_pages", "Pages in the latent pool (one block each)", registry=r)
         self.pool_bytes = Gauge("deepinfer_engine_pool_bytes", "Bytes of the latent pool", registry=r)
         self.pool_owned_pages = Gauge("deepinfer_engine_pool_owned_pages", "Pages owned by running sequences",
                                       registry=r)

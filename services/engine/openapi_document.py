@@ -1,12 +1,11 @@
-"""The engine's internal API as an OpenAPI 3.1 document, served at GET /openapi.json (with the
-service token, like every internal endpoint). It states what parse_job accepts, so that a
-schema-driven fuzzer's notion of a valid job is the engine's."""
+"""The engine's internal API as an OpenAPI 3.1 document, served at GET /openapi.json (service token): what
+parse_job accepts, so that a schema-driven fuzzer's notion of a valid job is the engine's."""
 from __future__ import annotations
 
 from services.common.openapi import token_id_pattern
 
-INT31 = 1 << 31
-INT63 = 1 << 63
+INT31 = 1 << 31  # bounds token ids, max_tokens and top_k (far beyond any vocabulary or context)
+INT63 = 1 << 63  # bounds seeds (OpenAI's seed is an int64) and the ints of a hit's segment runs
 RETENTION_CLASSES = ("chat", "agent")
 
 

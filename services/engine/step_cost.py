@@ -1,13 +1,6 @@
 """What a model step costs, fitted online from the engine's measured steps, so the scheduler can size a
-prefill segment by time instead of by a fixed token count. Numbers in, numbers out: the engine times its
-steps and feeds the seconds here; nothing in this file reads a clock, so tests feed it chosen numbers.
-
-A prefill segment of n tokens ending at position `end` costs t ~ a*n + b*n*end + c*end + d: every token goes
-through the projections and the MoE (a*n) and attends over a view of about `end` latents (b*n*end); every
-segment, whatever its n, gathers (and in the expanded form expands) the whole prefix's view once per layer
-(c*end) and dispatches its layers (d). At 16K context the end terms dominate, so a fixed 256-token segment
-there takes many decode steps' time; at short contexts it is cheap. Segments of several sequences computed
-in one pass (Runner.prefill of several) pay d once: their pass costs the sum of the other terms plus d.
+prefill segment by time instead of by a fixed token count. Nothing here reads a clock: the engine feeds in
+the seconds it measured, tests chosen ones.
 """
 from __future__ import annotations
 
@@ -17,8 +10,7 @@ from statistics import median
 import numpy as np
 from scipy.optimize import nnls  # scipy comes with jax
 
-PREFILL_WINDOW = 16  # segments per size bucket the fit uses (the latest of each size, so that the sizes
-# not chosen lately, such as the solo segments, still tell the per-token terms from the per-segment ones)
+PREFILL_WINDOW = 16  # latest segments kept per size: old sizes still tell per-token from per-segment terms
 DECODE_WINDOW = 9  # decode steps per batch bucket; the median ignores a step that compiled a new shape
 SPREAD = 1.5  # a term is fitted only once the window's segments vary enough (in end, in n) to tell it apart
 
@@ -39,11 +31,13 @@ def relative_nnls(terms: dict[str, np.ndarray], t_S: np.ndarray) -> dict[str, fl
 
 
 class PrefillCost:
-    """t(n, end) = a*n + b*n*end + c*end + d seconds, non-negative least squares over the latest segments of
-    each size on relative error (segments range from milliseconds to seconds; relative error also keeps one
-    slow outlier, such as a step that compiled, from dominating). Terms join as the window can tell them apart:
-    a always; b once the segments' ends differ by SPREAD; c and d once their sizes n differ by SPREAD too
-    (with one n, c*end is b*n*end and d is a*n)."""
+    """t(n, end) = a*n + b*n*end + c*end + d seconds for a segment of n tokens ending at position `end`: every
+    token goes through the projections and the MoE (a) and attends over about `end` latents (b); every segment
+    gathers (in the expanded form, expands) the prefix's view once per layer (c) and dispatches its layers (d),
+    so at long contexts a fixed-size segment costs many decode steps. A pass of several sequences' segments
+    pays d once. Fitted by `relative_nnls` over the latest passes of each size; a term joins once the window
+    tells it apart: a always, b once the ends differ by SPREAD, c and d once the sizes n do too (with one n,
+    c*end is b*n*end and d is a*n)."""
 
     def __init__(self, window: int = PREFILL_WINDOW):
         self.window = window
@@ -112,7 +106,7 @@ class DecodeCost:
         key = pow2_bucket(batch)
         steps = self.steps.setdefault(key, deque(maxlen=self.window))
         steps.append(seconds)
-        self.medians = {**self.medians, key: median(steps)}  # replaced whole: stats() reads it from another thread
+        self.medians = {**self.medians, key: median(steps)}  # replaced whole: stats() reads it
 
     def predict(self, batch: int) -> float | None:
         medians = self.medians
@@ -127,12 +121,11 @@ class DecodeCost:
 
 
 class DispatchCost:
-    """t(B, S) = f + g*B*S + h*B seconds for one decode dispatch of a batch padded to B rows whose views are S
-    rows each: the weights are read once whatever the batch (f), every row of every view is gathered and read by
-    attention (g), every sequence goes through the projections and the head (h). Non-negative least squares on
-    relative error over the latest dispatches of each (B, S) shape, once they differ in B*S by SPREAD. It tells
-    whether a decode batch is cheaper as two dispatches, short sequences apart from long ones (a batch's views
-    are all as long as its longest sequence's)."""
+    """t(B, S) = f + g*B*S + h*B seconds for one decode dispatch of a batch padded to B rows with S-row views:
+    the weights are read once whatever the batch (f), attention gathers and reads every view row (g), every
+    sequence goes through the projections and the head (h). Fitted by `relative_nnls` over the median of each
+    (B, S) shape's latest dispatches once the shapes differ in B*S by SPREAD. It tells whether a decode batch is
+    cheaper as two dispatches, short sequences apart from long ones (a batch's views are as long as its longest's)."""
 
     def __init__(self, window: int = DECODE_WINDOW):
         self.window = window
@@ -143,7 +136,7 @@ class DispatchCost:
         if batch < 1 or view < 1 or not seconds > 0:
             return
         self.by_shape.setdefault((batch, view), deque(maxlen=self.window)).append(seconds)
-        # One row per shape, its median: the first dispatch of a shape compiles.
+        # A shape's median: its first dispatch compiles.
         rows = np.array([(b, v, median(ts)) for (b, v), ts in self.by_shape.items()], np.float64)
         b_S, v_S, t_S = rows.T
         cells = b_S * v_S
@@ -162,8 +155,7 @@ class DispatchCost:
 
 
 class StepCost:
-    """The two models together, as the scheduler asks them: what would this decode batch cost, and
-    this prefill segment."""
+    """The cost models together, as the scheduler asks them."""
 
     def __init__(self):
         self.prefill = PrefillCost()
