@@ -8,12 +8,16 @@ its SwiGLU on its own contiguous rows (`grouped_swiglu`), and the outputs are pu
 order and summed with the routing weights (`combine`). Work scales with T*K, not with T*E.
 
 `grouped_swiglu` has two implementations behind one signature:
-- on GPU/TPU, `jax.lax.ragged_dot` (a native grouped matmul there);
+- on GPU/TPU, `jax.lax.ragged_dot` (a native grouped matmul there), its operands at the weights' dtype (the
+  float32 residual is cast at the expert boundary, so bfloat16 expert weights are never widened) and its sums
+  float32;
 - elsewhere, a loop over tiles of `block` sorted rows, each tile belonging to one expert. XLA:CPU
   lowers `ragged_dot` to a masked dense matmul over every group (E times the work, measured in
   bench/moe_bench.py), so on the CPU the tiles are what skips the unrouted experts.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +71,10 @@ def _tiles(x_MD, gate_EDI, up_EDI, down_EID, sizes_E, block: int) -> jax.Array:
 
 
 def _ragged(x_MD, gate_EDI, up_EDI, down_EID, sizes_E) -> jax.Array:
-    h_MI = jax.nn.silu(jax.lax.ragged_dot(x_MD, gate_EDI, sizes_E)) * jax.lax.ragged_dot(x_MD, up_EDI, sizes_E)
-    return jax.lax.ragged_dot(h_MI, down_EID, sizes_E)  # (M, D)
+    dot = partial(jax.lax.ragged_dot, group_sizes=sizes_E, preferred_element_type=jnp.float32)
+    x_MD = x_MD.astype(gate_EDI.dtype)
+    h_MI = jax.nn.silu(dot(x_MD, gate_EDI)) * dot(x_MD, up_EDI)
+    return dot(h_MI.astype(down_EID.dtype), down_EID)  # (M, D) float32
 
 
 def grouped_swiglu(x_MD: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
@@ -76,12 +82,17 @@ def grouped_swiglu(x_MD: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down
     """SwiGLU of expert e on rows [sum(sizes[:e]), sum(sizes[:e+1])) of x_MD; (M, D).
     Rows past sum(sizes_E) are unspecified. method: "auto", "tiles" or "ragged_dot"."""
     if method == "auto":
-        method = "ragged_dot" if jax.default_backend() in ("gpu", "tpu") else "tiles"
+        method = expert_method(jax.default_backend())
     if method == "ragged_dot":
         return _ragged(x_MD, gate_EDI, up_EDI, down_EID, sizes_E)
     if method != "tiles":
         raise ValueError(f"grouped_swiglu: method must be auto, tiles or ragged_dot, got {method!r}")
     return _tiles(x_MD, gate_EDI, up_EDI, down_EID, sizes_E, block_rows(x_MD.shape[0], sizes_E.shape[0]))
+
+
+def expert_method(platform: str) -> str:
+    """The grouped SwiGLU's implementation for a platform (a served model names its platform: model/serving.py)."""
+    return "ragged_dot" if platform in ("gpu", "cuda", "rocm", "tpu") else "tiles"
 
 
 def routed_experts(x_TD: jax.Array, weights_TK: jax.Array, ids_TK: jax.Array, gate_EDI: jax.Array,

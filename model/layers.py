@@ -2,12 +2,13 @@
 experts from model/experts.py, shared experts)."""
 from __future__ import annotations
 
+from functools import partial
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from typing import NamedTuple
 
 from model.config import ModelConfig
 from model.experts import routed_experts
@@ -87,6 +88,7 @@ class MoE(nnx.Module):
         self.down_proj = normal_param(rngs, (E, I, D), cfg.param_dtype)
         self.shared = (DenseMLP(D, I * cfg.n_shared_experts, cfg.param_dtype, rngs)
                        if cfg.n_shared_experts else None)
+        self.method = "auto"  # the grouped SwiGLU's (model/experts.py); the served model names its platform's
 
     def route(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Returns (weights_TK float32, expert ids_TK) for K = num_experts_per_tok."""
@@ -117,8 +119,8 @@ class MoE(nnx.Module):
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         weights_TK, ids_TK = self.route(x_TD)
         # On a mesh with an "expert" axis each device runs only its own experts (model/sharding.py).
-        routed_TD = expert_parallel(routed_experts, x_TD, weights_TK, ids_TK, self.gate_proj[...],
-                                    self.up_proj[...], self.down_proj[...])
+        routed_TD = expert_parallel(partial(routed_experts, method=self.method), x_TD, weights_TK, ids_TK,
+                                    self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         if self.shared is not None:
             routed_TD = routed_TD + self.shared(x_TD)
         return routed_TD

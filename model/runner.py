@@ -1,19 +1,15 @@
 """The engine's model: decode batches and ragged prefill passes over the paged latent pool, attention by a backend.
 
-- decode: one token of each of B sequences. Layers run in groups of like layers, one jitted call a group (the
-  first embeds, the last applies the head), so warm-up compiles a few group shapes, not a whole model per batch
-  size. Attention reads each sequence's pages through its block table; the new latents are written into the pool
-  after the step (a scatter into a pool that the same computation also reads made XLA:CPU copy the whole pool).
+- decode: a token of each of B sequences, in groups of like layers (one jitted call a group; the first embeds, the
+  last applies the head). The new latents are written into the pool after the step: a scatter into a pool that
+  the same computation also reads made XLA:CPU copy the whole pool.
 - prefill: a pass computes segments (tokens [start, start + n) of one sequence each) layer-major: a layer's
-  latents of every row are written into the pages first and read back by attention, so a prefix loaded from
-  disk, kept in memory or computed a step earlier look the same. One segment is cut into chunks (the attention
-  budget's size, `prefill_chunk`); several short ones are laid out as tiles of a page each, every tile attending
-  over its own sequence's pages. Per layer the backend computes a context once (a view, expanded keys and
-  values, or nothing), then each chunk attends and runs the feed-forward over its rows.
-
-Shapes never follow a prompt's length: decode batches are powers of two (one fixed size in batch-invariant
-mode), decode tables one width (attention's work follows each sequence's position, not its table), prefill
-views powers of two (`view_bucket`), and compiles go to the persistent compilation cache.
+  latents are written into the pages first and read back by attention, so a prefix loaded from disk, kept in
+  memory or computed a step earlier look the same. One segment goes in chunks (`prefill_chunk`); several short
+  ones as tiles of a page, each over its own sequence's pages. Per layer the backend may compute a context once
+  (expanded keys and values), then each chunk attends and runs the feed-forward.
+Shapes never follow a prompt's length: decode batches are powers of two (one size in batch-invariant mode),
+decode tables one width (attention's work follows each sequence's position), prefill views powers of two.
 """
 from __future__ import annotations
 
@@ -55,8 +51,7 @@ def enable_compilation_cache(path: str | None = None) -> None:
 
 def view_bucket(n: int, page: int, steps: int = 1) -> int:
     """Rows of a view over positions [0, n), in whole pages: a power of two up to 512 rows; beyond, `steps` sizes
-    per doubling up to 4,096 rows and at least 2 past it. Every distinct shape is a compile that stalls the
-    whole engine, and a serving engine meets many lengths."""
+    per doubling up to 4,096 rows and at least 2 past it (each shape is a compile that stalls the engine)."""
     n = max(n, MIN_VIEW)
     pieces = 1 if n <= 512 else steps if n <= 4096 else max(steps, 2)
     unit = pow2(n) // (2 * pieces)
@@ -77,9 +72,8 @@ def prefill_chunk(cfg: ModelConfig, total: int, chunk_tokens: int, budget_bytes:
 
 
 class SplitModule:
-    """A module split once for jitted calls: its graph definition, and its state as one flat list of arrays.
-    Passed to jit as a static argument and a pytree, a layer's graph definition was hashed, and its nnx State
-    flattened, on every call (~0.3 ms of Python a call)."""
+    """A module split once for jitted calls (graph definition, state as a flat list of arrays): passed to jit as a
+    static argument and a pytree, a layer's graph definition was hashed and its State flattened every call."""
 
     def __init__(self, module: nnx.Module):
         self.graphdef, state = nnx.split(module)
@@ -92,8 +86,7 @@ class SplitModule:
 
 @lru_cache(maxsize=None)
 def _jit_body(body, graphdef, state_def, static_argnums, donate_argnums):
-    """One jitted function per body and module structure: layers of one structure, and runners of one model, share
-    its compiles."""
+    """One jitted function per body and module structure, shared by like layers and runners of one model."""
     def call(leaves, *args):
         return body(nnx.merge(graphdef, jax.tree.unflatten(state_def, leaves)), *args)
 
@@ -122,9 +115,8 @@ def _decode_layer(backend, layer, absorbed, pool_PBA, x_BD, positions_B, tables_
 
 @lru_cache(maxsize=64)
 def _decode_group(layer_defs: tuple, head_def, weights_def, backend: AttentionBackend, first: bool, last: bool):
-    """A group's decode call jitted for its layers' graph definitions and weights layout (`weights_def`); cached by
-    them, so groups of one structure, and runners of one model, share compiles. The first group embeds the tokens,
-    the last applies the head: (x_BD or logits (B, V) float32, latents (G, B, A))."""
+    """A group's decode call, shared by groups of one structure: (x_BD, or logits (B, V) float32 for the last,
+    latents (G, B, A))."""
     def step(weights, pools, x, positions_B, tables_BQ):
         embed_VD, states, absorbeds, head_state = jax.tree.unflatten(weights_def, weights)
         x_BD = jnp.take(embed_VD, x, axis=0) if first else x
@@ -304,17 +296,15 @@ class Runner:
     # -- decode --
 
     def decode_shape(self, positions: list[int]) -> tuple[int, int]:
-        """(padded batch, rows attention reads for each sequence) of a decode dispatch of sequences at these
-        positions, as the step's cost follows them: the longest position's (bucketed) where the backend's decode
-        reads blocks up to it for every row, the table's width where each row reads only its own."""
+        """(padded batch, rows each sequence's attention costs) of a decode dispatch: the longest position's
+        (bucketed) where the backend reads blocks up to it for every row, else the table's width."""
         batch = max(self.fixed_batch, pow2(len(positions)))
         if not self.backend.decode_by_longest:
             return batch, self.table_pages * self.page
         return batch, view_bucket(max(positions) + 1, self.page, DECODE_VIEW_STEPS)
 
     def decode(self, rows: list[DecodeRow]) -> jax.Array:
-        """Feeds one token per sequence; returns their logits on the device, (B, V) with B >= len(rows): the rows
-        past len(rows) are the padded batch's."""
+        """Feeds a token per sequence; returns the logits on the device, (B, V), B >= len(rows) (padding past)."""
         B = max(self.fixed_batch, pow2(len(rows)))
         tokens, positions = np.zeros(B, np.int32), np.zeros(B, np.int32)
         slots = np.full(B, SCRATCH_PAGE * self.page, np.int32)
@@ -333,15 +323,13 @@ class Runner:
     # -- prefill --
 
     def batchable(self, n: int, end: int) -> bool:
-        """Whether a segment of n tokens ending at `end` goes in a pass of several: a short one (alone, its
-        padded chunk would be mostly padding, and its pass's fixed cost paid for a few rows) whose view is
-        short enough to be read for each tile of the pass."""
+        """Whether a segment of n tokens ending at `end` goes in a pass of several: short (alone, a pass's fixed
+        cost is paid for a few rows), with a view short enough to be read for each tile."""
         return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
 
     def chunk_sizes(self, n: int, end: int) -> list[int]:
-        """Rows of each chunk of an n-token segment ending at `end`: chunks of `prefill_chunk`'s size (a power of
-        two), the last one cut to the rest in whole pages (a power of two up to a page): padded to a power of
-        two, a 300-token segment cost what 512 tokens do (167 against 174 ms on `mini`)."""
+        """Rows of each chunk of an n-token segment ending at `end`: `prefill_chunk`'s size, the last one cut to the
+        rest in whole pages (a power of two up to a page): padded to a power of two, 300 tokens cost what 512 do."""
         if n == 1:
             return [1]
         T = min(prefill_chunk(self.cfg, end, self.chunk_tokens, self.attention_budget_bytes, self.backend.key_block),
@@ -405,10 +393,9 @@ class Runner:
                       jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1)), jnp.asarray(tables_MQ))
 
     def warm_up(self, pages: list[int], n: int, segment_sizes: list[int], batches: list[int]) -> float:
-        """Compiles what a serving engine meets first, on `pages` (scratch work): a prompt's prefill and first token,
-        segments of the sizes a step takes, every decode batch with its sampler (a first compile stalls every
-        running stream; the compilation cache keeps them for the next process). Returns the seconds an n-token
-        prefill took once compiled."""
+        """Compiles what a serving engine meets first, on scratch `pages`: a prompt's prefill and first token, the
+        segment sizes a step takes, every decode batch with its sampler (a first compile stalls every stream).
+        Returns the seconds an n-token prefill took once compiled."""
         greedy = SamplingRow(SamplingParams(), 0, 0)
         sample_batch(self.prefill([Segment(np.arange(1, 17), 0, pages)]).run(), [greedy])
         for size in [n, *(size for size in segment_sizes if size < n)]:

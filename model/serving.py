@@ -29,7 +29,8 @@ from flax import nnx
 
 from model import cpu_kernels
 from model.config import check_serving_dtype
-from model.layers import Linear
+from model.experts import expert_method
+from model.layers import Linear, MoE
 from model.mla import MLAttention
 from model.transformer import DeepseekModel
 
@@ -81,7 +82,11 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
     widen = wide and jnp.dtype(dtype) == jnp.bfloat16 and platform == "cpu" and not cpu_kernels.has_amx()
     served = nnx.merge(graphdef, state)  # new modules over the same arrays
     for path, module in list(nnx.iter_graph(served)):
-        if isinstance(module, MLAttention):  # attention's own products take the serving dtype too
+        if isinstance(module, MoE):  # routed experts at the serving dtype; on GPU/TPU never widened (experts.py)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(module, name, nnx.Param(getattr(module, name)[...].astype(dtype)))
+            module.method = expert_method(platform)
+        elif isinstance(module, MLAttention):  # attention's own products take the serving dtype too
             module.w_uk = nnx.Param(module.w_uk[...].astype(dtype))
             module.w_uv = nnx.Param(module.w_uv[...].astype(dtype))
             module.wide = widen

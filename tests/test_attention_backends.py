@@ -17,7 +17,7 @@ PAGE, PAGES, Q = 64, 24, 8  # pool pages of 64 rows; tables of 8 pages (512 rows
 
 
 def backends() -> list[tuple[str, dict]]:
-    out = [("xla", {})]
+    out = [("xla", {}), ("pallas", {})]  # pallas: its GPU kernel in Pallas's interpret mode
     if cpu_kernels.available("cpu")[0]:
         out.append(("cpu", {"decode_kernel": True}))
     return out
@@ -139,6 +139,18 @@ def test_prefill_tiles_read_their_own_pages_causally(attn, name, options):
     assert not np.array_equal(np.asarray(attend(pool_of(changed)))[:T], got[:T])
 
 
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 197], [197, 1, 64, 65, 63]], ids=["ascending", "mixed"])
+def test_the_pallas_kernel_matches_xla_at_page_edges_in_mixed_batches(attn, lengths):
+    """Contexts of 1, page - 1, page, page + 1 and 3 pages + 5 rows in one batch (each its own table): the pallas
+    kernel (interpret mode) within 1e-2 of the output's scale of the xla backend."""
+    values = pool_of(random_pool(7))
+    q_BNA, new_BA = queries(8, len(lengths), attn)
+    tables = [[1 + 4 * b + i for i in range(4)] + [0] * 4 for b in range(len(lengths))]
+    want = decode("xla", {}, attn, q_BNA, lengths, values, tables, new_BA)
+    got = decode("pallas", {}, attn, q_BNA, lengths, values, tables, new_BA)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
 def test_decode_over_xla_never_materialises_a_whole_context():
     """Lowered for a batch of 16 over tables of 160 pages (10K rows): no value of the decode has 16 x 10K x 512
     elements or more (a dense gather of every context)."""
@@ -160,6 +172,9 @@ def test_backends_are_chosen_by_name_and_platform():
         make_backend("cpu", CFG, "cuda", "bfloat16")
     with pytest.raises(ValueError, match="attention backend must be one of"):
         make_backend("tpu-magic", CFG, "cpu", "bfloat16")
+    with pytest.raises(ValueError, match="on a TPU take xla"):
+        make_backend("pallas", CFG, "tpu", "bfloat16")
+    assert make_backend("pallas", CFG, "cpu", "bfloat16").interpret  # the CPU runs the GPU kernel interpreted
     assert make_backend("auto", CFG, "cuda", "bfloat16").name == "xla"
     assert make_backend("auto", CFG, "cpu", "bfloat16").name == ("cpu" if cpu_kernels.decode_serves()
                                                                  and cpu_kernels.available("cpu")[0] else "xla")

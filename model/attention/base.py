@@ -115,6 +115,7 @@ def make_backend(name: str, cfg: ModelConfig, platform: str, dtype: str, page_to
     """The backend `name` ("auto": the best one for `platform`) for a model served at `dtype` over pages of
     `page_tokens`; `options` go to its constructor (tests and benchmarks turn kernels on or off)."""
     from model.attention.cpu import CpuBackend, cpu_serves
+    from model.attention.pallas import PallasBackend
     from model.attention.xla import XlaBackend
 
     if name == "auto":
@@ -125,7 +126,7 @@ def make_backend(name: str, cfg: ModelConfig, platform: str, dtype: str, page_to
         if platform != "cpu":
             raise ValueError(f"the cpu attention backend serves the cpu platform, not {platform!r}")
         return CpuBackend(cfg, platform, dtype, page_tokens=page_tokens, **options)
-    return XlaBackend(cfg, platform, dtype, **options)
+    return (PallasBackend if name == "pallas" else XlaBackend)(cfg, platform, dtype, **options)
 
 
-BACKENDS = ("xla", "cpu")
+BACKENDS = ("xla", "cpu", "pallas")

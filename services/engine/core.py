@@ -1,12 +1,10 @@
 """The serving engine: continuous batching over the paged latent pool, on one model thread.
 
-Requests arrive on the event loop (`run`), become Sequences and reach the model thread through an inbox. The
-model thread loops: take the inbox and the tiers' completions (a disk hit's layers, placed into its pages as they
-arrive), admit (pages from the block manager; a disk hit starts loading), ask the scheduler for the step's plan
-and execute it: decode dispatches, prefill passes (a sliced one a few units a step; a loading sequence's one
-layer at a time as its layers are placed), sample, emit events, publish complete blocks to the memory tier and
-hand new full blocks to the store. When nothing can run it waits, without polling, for a request, a completion
-or a load's deadline.
+Requests arrive on the event loop (`run`) and reach the model thread through an inbox. The model thread loops:
+take the inbox and the disk tier's completions (tiers.py), admit (pages from the block manager; a disk hit starts
+loading), ask the scheduler for the step's plan and execute it (decode dispatches, prefill passes: passes.py),
+sample, stream, publish complete blocks to the memory tier and save new ones. With nothing to run it waits,
+without polling, for a request, a completion or a load's deadline.
 """
 from __future__ import annotations
 
@@ -41,12 +39,12 @@ from services.engine.tiers import Tiers
 log = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    """More requests are waiting than max_queue allows."""
+class QueueFull(Exception):  # more requests wait than max_queue allows
+    pass
 
 
-class TooLarge(ValueError):
-    """The request could never fit the engine's pool (the user's fault: 400)."""
+class TooLarge(ValueError):  # the request could never fit the engine's pool (the user's fault: 400)
+    pass
 
 
 class Engine:
@@ -96,9 +94,9 @@ class Engine:
         return token_grammar(default_tokenizer_json(self.cfg.model_dir or None), g.vocab_size, g.eos_token_id)
 
     def check(self, job: Job) -> GrammarState | None:
-        """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context or for the
-        pool, GrammarError for a grammar that does not compile. An answer that would outgrow the pool is cut there
-        ("length"), not refused. Returns the job's grammar compiled."""
+        """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context or the
+        pool, GrammarError for a grammar that does not compile (an answer outgrowing the pool is cut, "length").
+        Returns the job's grammar compiled."""
         self.runner.check_tokens(job.tokens, job.params.max_tokens)
         if self.blocks.pages_for(job.tokens.size + 1) > self.blocks.usable:
             raise TooLarge(f"prompt of {job.tokens.size} tokens does not fit this engine's latent pool of "
@@ -250,8 +248,7 @@ class Engine:
         self._answer(logits, dispatch, taken)
 
     def _passed(self, flight: Flight) -> None:
-        """A pass is done: its sequences advance, publish and save their progress; the first token of every
-        sequence whose prompt it completed is sampled."""
+        """A pass is done: its sequences advance, publish and save; those whose prompt it completed sample."""
         group, wanted = flight.group, flight.wanted
         self.cost.prefill.observe_pass([(n, seq.computed + n) for seq, n in group], flight.seconds)
         self.metrics.prefill_seconds.inc(flight.seconds)
@@ -274,9 +271,9 @@ class Engine:
         return min(seq.remaining, self.loaded.config.max_context - len(seq.tokens))
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """One token per sequence, with its penalties, bias and grammar mask (computed here on the host, while the
-        device still runs the step that made `logits`); the grammar takes each token, or its closing token when the
-        sampled one would leave no room to close (then sampled again, forced, for its logprobs)."""
+        """A token per sequence, with its penalties, bias and grammar mask (computed on the host while the device
+        runs the step); the grammar takes each token, or its closing token when the sampled one would leave no
+        room to close (then sampled again, forced, for its logprobs)."""
         rows = [self._row(seq) for seq in seqs]
         sampled = sample_batch(logits, rows)
         out = [(int(t), lp) for t, lp in zip(sampled.tokens, sampled.logprobs)]
@@ -367,8 +364,8 @@ class Engine:
     # -- start-up --
 
     def warm_up(self) -> None:
-        """Compiles the common shapes and measures prefill speed (for the load deadline and the first step costs),
-        before the model thread starts, on pages it frees again."""
+        """Compiles the common shapes and measures prefill speed (the load deadline, the first step costs), before
+        the model thread starts, on pages it frees again."""
         n = min(self.cfg.chunk_tokens, 512, (self.blocks.usable - 1) * self.B)
         pages = self.blocks.allocate(-(-(n + 1) // self.B))
         batches = [1 << i for i in range(pow2(self.cfg.max_batch).bit_length())]

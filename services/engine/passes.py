@@ -1,8 +1,7 @@
-"""Prefill passes in flight: the runner's passes (model/runner.py) run a unit at a time between the steps' decode
-dispatches. A pass runs to its end in one step; a sliced one runs about a budget's worth of units a step; a pass
-of a sequence loading a disk hit runs each layer's units once that layer is in its pages (services/engine/tiers.py),
-so its prefill overlaps its load. A pass closed part-way has written its rows into some layers only: its
-sequences compute the segment again.
+"""Prefill passes in flight, a unit at a time between the steps' decode dispatches: a pass runs to its end in one
+step, a sliced one about a budget's worth of units a step, and a loading sequence's one each layer's units once that
+layer is in its pages (tiers.py), so its prefill overlaps its load. A pass closed part-way has written some
+layers only: its sequences compute the segment again.
 """
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from services.engine.sequence import Sequence
 
 @dataclass(slots=True, eq=False)
 class Flight:
-    """A pass under way: its segments (sequence, tokens from its `computed`), the sequences whose first token it
-    samples (its first rows), the runner's pass, whether it is sliced, the seconds its units took so far, and since
-    when it waits for a loading layer."""
+    """A pass under way: its segments (sequence, tokens from its `computed`), the sequences it samples (its first
+    rows), the runner's pass, whether it is sliced, its units' seconds so far, since when it waits for a layer."""
     group: list[tuple[Sequence, int]]
     wanted: list[Sequence]
     run: PrefillPass
@@ -54,10 +52,9 @@ class Passes:
         return flight
 
     def advance(self, flight: Flight, budget_s: float | None) -> bool:
-        """Runs the pass's next units while their layers are placed: without a budget all of them; with one, a unit
-        at a time, each waited for, until the next unit's expected time would end the slice farther past
-        `budget_s` than stopping now falls short of it (at least one unit): slices take their budget on average
-        whatever the units' size. Timed, so the cost model learns the whole pass's time (the sum of its slices).
+        """Runs the pass's next units while their layers are placed: all of them without a budget; with one, each
+        waited for, until the next unit's expected time would end the slice farther past `budget_s` than stopping
+        now falls short of it (at least one unit). Timed: the cost model learns a pass's time (its slices' sum).
         Returns whether a unit was dispatched; a finished pass leaves `flights` (its result is `run.result`)."""
         run, begin, dispatched, out = flight.run, time.perf_counter(), 0, None
         while run.done < run.units and self._ready(flight):

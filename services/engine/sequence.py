@@ -35,9 +35,8 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Load:
-    """A disk hit being read into the sequence's pages layer by layer (services/engine/tiers.py): positions
-    [start, end) of its prefix, which it counts as computed while the layers arrive; `placed` layers are in its
-    pages. A layer that fails verification shortens `end` (the sequence computes the rest)."""
+    """A disk hit being read into the sequence's pages (tiers.py): positions [start, end), counted computed while
+    the layers arrive; `placed` layers are in. A layer failing verification shortens `end`."""
     start: int  # tokens it held before (from the memory tier): not read
     end: int
     begin: float  # perf_counter when it was asked for
