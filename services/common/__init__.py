@@ -7,13 +7,17 @@
     admin_auth_middleware(token)                                      # /admin/* needs Bearer token
     service_auth_middleware(service_token, admin_token)               # the rest needs the service token
 """
-from .admin import admin_auth_middleware
-from .config import ConfigError, load_config, secret_field
-from .errors import RequestError, error_middleware, json_error
-from .health import add_health_routes
-from .metrics import add_metrics_route
-from .service_auth import bearer_headers, service_auth_middleware
+import importlib
 
-__all__ = ["ConfigError", "RequestError", "add_health_routes", "add_metrics_route", "admin_auth_middleware",
-           "bearer_headers", "error_middleware", "json_error", "load_config", "secret_field",
-           "service_auth_middleware"]
+_MODULES = {"admin_auth_middleware": "admin", "ConfigError": "config", "load_config": "config",
+            "secret_field": "config", "RequestError": "errors", "error_middleware": "errors",
+            "json_error": "errors", "add_health_routes": "health", "add_metrics_route": "metrics",
+            "bearer_headers": "service_auth", "service_auth_middleware": "service_auth"}
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    """Each name from its module on first use: a service's model side imports config without the HTTP stack."""
+    if name not in _MODULES:
+        raise AttributeError(f"module 'services.common' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
-from services.common.request_id import current_request_id
+from services.common.request_context import current_request_id
 
 LOG_FORMATS = ("text", "json")
 

@@ -1,39 +1,20 @@
 """Request ids: one id per client request, carried gateway -> engine -> kvstore in `X-Request-Id`.
 
 The gateway takes the client's id when it is a sane token (else makes one); every service puts the
-id of the request it is serving into `current_request_id`, which the log formatter adds to each
-line and the HTTP clients (engine_client, KvstoreClient) forward to the next service. Every
+id of the request it is serving into `current_request_id` (request_context.py), which the log formatter adds to
+each line and the HTTP clients (engine_client, KvstoreClient) forward to the next service. Every
 response carries it back.
 """
 from __future__ import annotations
 
-import re
-import uuid
-from contextvars import ContextVar
-
 from aiohttp import web
 
-REQUEST_ID_HEADER = "X-Request-Id"
-NO_REQUEST = "-"
-_SANE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")  # no spaces or control characters in log lines
+from services.common.request_context import (NO_REQUEST, REQUEST_ID_HEADER, accepted_request_id,
+                                             current_request_id, forwarded_headers, new_request_id)
 
-current_request_id: ContextVar[str] = ContextVar("request_id", default=NO_REQUEST)
+__all__ = ["NO_REQUEST", "REQUEST_ID", "REQUEST_ID_HEADER", "accepted_request_id", "add_request_ids",
+           "current_request_id", "forwarded_headers", "new_request_id"]
 REQUEST_ID = web.RequestKey("request_id", str)
-
-
-def accepted_request_id(raw: str | None) -> str | None:
-    """`raw` if it can go into log lines and headers as it is, else None."""
-    return raw if raw is not None and _SANE.fullmatch(raw) else None
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def forwarded_headers() -> dict[str, str]:
-    """Headers for a call made while serving a request: its id, if there is one."""
-    rid = current_request_id.get()
-    return {} if rid == NO_REQUEST else {REQUEST_ID_HEADER: rid}
 
 
 def add_request_ids(app: web.Application) -> None:

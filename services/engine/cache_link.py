@@ -6,11 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, open_redis
 from services.engine.config import EngineConfig
-from services.kvstore.client import KvstoreClient
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +29,8 @@ class CacheLink:
 
     async def _connect(self) -> None:
         if self.cfg.kvstore_url:
+            from services.kvstore.client import KvstoreClient  # the HTTP client only where the cache is remote
+
             # Remote: no volumes here; every read and save goes through the kvstore service, whose
             # client degrades to misses by itself while the service is down.
             self.store = KvstoreClient(self.cfg.kvstore_url, self.geometry, self.fingerprint,
@@ -68,6 +67,8 @@ class CacheLink:
 
 
 async def _answers(url: str) -> bool:
+    import aiohttp
+
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             async with session.get(url) as response:

@@ -14,13 +14,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from kvstore import cacheable_blocks, extend_block_hashes
 from model.attention import make_backend
-from model.grammar import GrammarState, TokenGrammar, default_tokenizer_json, token_grammar
 from model.latent_pool import LatentPool, pow2
 from model.runner import DecodeRow, Runner
 from model.sampling import SamplingRow, TokenLogprobs, request_seed, sample_batch
@@ -35,6 +35,9 @@ from services.engine.scheduler import Plan, SchedulePolicy, Scheduler
 from services.engine.sequence import Job, Sequence, Status
 from services.engine.step_cost import StepCost
 from services.engine.tiers import Tiers
+
+if TYPE_CHECKING:
+    from model.grammar import GrammarState, TokenGrammar
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ class Engine:
     @property
     def grammars(self) -> TokenGrammar:
         """The grammar compiler for this model's tokenizer (built on first use: seconds)."""
+        from model.grammar import default_tokenizer_json, token_grammar  # llguidance only where grammars come
         g = self.loaded.config
         return token_grammar(default_tokenizer_json(self.cfg.model_dir or None), g.vocab_size, g.eos_token_id)
 

@@ -6,13 +6,15 @@ import enum
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from kvstore import Hit, extend_block_hashes
-from model.grammar import GrammarState
 from model.sampling import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:  # llguidance only where a request brings a grammar
+    from model.grammar import GrammarState
 
 
 class Job(NamedTuple):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from model.latent_pool import SCRATCH_PAGE, LatentPool, pow2
-from services.common.request_id import current_request_id
+from services.common.request_context import current_request_id
 from services.engine.block_manager import BlockManager
 from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
