@@ -339,16 +339,6 @@ class Runner:
         last = pow2(max(rest, MIN_CHUNK)) if rest <= self.page else -(-rest // self.page) * self.page
         return [T] * full + [min(T, last)]
 
-    def prefill_units(self, segments: list[tuple[int, int]]) -> int:
-        """The units of a pass of segments given as (n, end): a layer's chunks, and its context where that costs."""
-        if len(segments) > 1:
-            tiles = sum(-(-n // self.page) for n, _ in segments)
-            form = self.backend.prefill_form(self.page, view_bucket(max(e for _, e in segments), self.page), self.form,
-                                             tiles)
-            return self.cfg.num_layers * (1 + form.context_unit)
-        (n, end), = segments
-        return self.cfg.num_layers * (len(self.chunk_sizes(n, end)) + self._form(n, end).context_unit)
-
     def _form(self, n: int, end: int):
         return self.backend.prefill_form(n, view_bucket(end, self.page), self.form)
 

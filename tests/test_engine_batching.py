@@ -10,7 +10,7 @@ from kvstore import CacheGeometry, PrefixIndex, block_hashes, cacheable_blocks, 
 from model import reference
 from model.attention import make_backend
 from model.config import preset
-from model.latent_pool import LatentPool
+from model.latent_pool import SCRATCH_PAGE, LatentPool
 from model.runner import DECODE_VIEW_STEPS, MAX_PASS_TILES, DecodeRow, Runner, Segment, view_bucket
 from model.sampling import SamplingParams
 from model.serving import serving_model
@@ -31,6 +31,26 @@ VOCAB = 129_280
 def tiny(tmp_path_factory):
     cfg = preset("tiny")
     return save_model(init_model(cfg), cfg, tmp_path_factory.mktemp("tiny") / "model")
+
+
+def check_pages(blocks: BlockManager, owners: list[list[int]]) -> None:
+    """Raises AssertionError unless every page is free, hot or owned exactly as `owners` (the block tables of live
+    sequences) say: the block manager's accounting, read from its state."""
+    counts = [0] * blocks.num_pages
+    for table in owners:
+        for page in table:
+            counts[page] += 1
+    free, hot = set(blocks._free), set(blocks._hot)
+    assert len(free) == len(blocks._free), "a page is on the free list twice"
+    assert SCRATCH_PAGE not in free | hot and counts[SCRATCH_PAGE] == 0, "the scratch page was handed out"
+    for page in range(blocks.num_pages):
+        if page == SCRATCH_PAGE:
+            continue
+        states = (page in free) + (page in hot) + (counts[page] > 0)
+        assert states == 1, f"page {page}: free={page in free} hot={page in hot} refs={counts[page]}"
+        assert blocks._ref[page] == counts[page], f"page {page}: ref {blocks._ref[page]} != owners {counts[page]}"
+    for h, page in blocks._page_of.items():
+        assert blocks._hash_of.get(page) == h, f"page {page}: hash maps disagree"
 
 
 def prompt(seed: int, n: int) -> np.ndarray:
@@ -93,7 +113,7 @@ class Running:
 
     def check_pages(self) -> None:
         """Every page is free, hot, or owned exactly once by a live sequence's block table."""
-        self.engine.blocks.check([seq.pages for seq in self.engine.scheduler.running])
+        check_pages(self.engine.blocks, [seq.pages for seq in self.engine.scheduler.running])
 
     async def idle(self) -> None:
         for _ in range(400):
@@ -321,10 +341,8 @@ def test_a_prefill_pass_sliced_by_layers_between_decode_steps_gives_the_same_bit
         paged.prefill([Segment(d, 0, table_d)], want_logits=False).run()
         passes = [paged.prefill([Segment(p[64:], 64, table_p)]),  # four chunks
                   paged.prefill([Segment(p[:40], 0, table_q), Segment(q[:90], 0, [13, 14])])]
-        assert passes[0].units == paged.prefill_units([(236, 300)]) == cfg.num_layers * (
-            4 + paged._form(236, 300).context_unit)
-        assert passes[1].units == paged.prefill_units([(40, 40), (90, 90)]) == cfg.num_layers * (
-            1 + paged.backend.prefill_form(64, 256, "auto", 3).context_unit)
+        assert passes[0].units == cfg.num_layers * (4 + paged._form(236, 300).context_unit)
+        assert passes[1].units == cfg.num_layers * (1 + paged.backend.prefill_form(64, 256, "auto", 3).context_unit)
         results, steps = run_passes(paged, passes, table_d, how == "sliced")
         latents = [np.asarray(paged.pool.host(read)) for table in (table_p, table_q, [13, 14], table_d)
                    for read in paged.pool.read(table)]
@@ -347,7 +365,7 @@ def run_whole_and_sliced(cfg, checkpoint, form: str, kernel: bool) -> dict:
         paged.prefill([Segment(d, 0, table_d)], want_logits=False).run()
         run = paged.prefill([Segment(p[64:], 64, table_p)])
         # 336 tokens: 5 chunks of 64, 16; in the expanded form one more unit per layer (its keys and values)
-        assert run.units == paged.prefill_units([(336, 400)]) == cfg.num_layers * (6 + (form == "expanded"))
+        assert run.units == cfg.num_layers * (6 + (form == "expanded"))
         (logits,), steps = run_passes(paged, [run], table_d, how == "sliced")
         latents = [np.asarray(paged.pool.host(read)) for table in (table_p, table_d) for read in paged.pool.read(table)]
         out[how] = logits, steps, latents
@@ -448,7 +466,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     slices = e.metrics.prefill_slices
     seq = admitted(e, long)
     e._execute(Plan([], [], (seq, 300), slice_s=1e-9))
-    units = e.runner.prefill_units([(300, 300)])
+    units = e.passes.flights[0].run.units
     assert units >= L and len(e.passes.flights) == 1 and slices._value.get() == 1 and seq.computed == 0
     for _ in range(units - 1):  # one unit a step; the head goes with the last
         assert e.passes.flights
@@ -472,7 +490,7 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     assert not e.passes.flights and e.metrics.prefill_aborted._value.get() == 1
     assert seq.computed == 0 and e.metrics.prefill_tokens.labels("computed")._value.get() == 0
     assert e.blocks.owned_pages == 0
-    e.blocks.check([])
+    check_pages(e.blocks, [])
 
     e = engine()
     decoding = admitted(e, prompt(71, 63))  # its second token needs a second page
@@ -485,11 +503,12 @@ async def test_a_sliced_pass_finishes_over_steps_and_closes_when_its_sequence_is
     plan = e.scheduler.schedule(None, [seq], slicing=True)
     assert plan.preempted == (seq,) and plan.decoding == [decoding]
     e._execute(plan._replace(slice_s=1e-9))
-    assert not e.passes.flights and e.metrics.prefill_aborted._value.get() == 1 and e.metrics.preemptions._value.get() == 1
+    assert not e.passes.flights and e.metrics.prefill_aborted._value.get() == 1
+    assert e.metrics.preemptions._value.get() == 1
     assert seq.status is Status.WAITING and seq.computed == 0 and not seq.pages
     assert decoding.computed == 65 and len(decoding.pages) == 2
     e.blocks.release(filler)
-    e.blocks.check([decoding.pages])
+    check_pages(e.blocks, [decoding.pages])
 
 
 @pytest.mark.parametrize("dtype, path, tolerance", [("bfloat16", "auto", 3e-2), ("float32", "float32", 1e-4)])

@@ -44,9 +44,9 @@ def tensors(text: str) -> list[tuple[tuple[int, ...], str]]:
 
 def widened_experts(text: str, cfg) -> list[str]:
     """Converts of a routed expert weight tensor (E, ., .) to float32."""
-    return [line for line in text.splitlines() if "stablehlo.convert" in line
-            and re.search(rf"tensor<{cfg.n_routed_experts}x\d+x\d+xbf16>.*->.*tensor<{cfg.n_routed_experts}x\d+x\d+xf32>",
-                          line)]
+    E = cfg.n_routed_experts
+    return [line for line in text.splitlines()
+            if "stablehlo.convert" in line and re.search(rf"tensor<{E}x\d+x\d+xbf16>.*->.*tensor<{E}x\d+x\d+xf32>", line)]
 
 
 def test_decode_lowers_for_cuda_with_the_pallas_kernel_no_widened_experts_and_no_whole_context(gpu_runner):

@@ -10,10 +10,11 @@ The runner (model/runner.py) calls a backend inside its jitted functions; a back
   latent (not yet in the pool): the softmax-weighted latents, normalised. `per_head` gives W_UK and W_UV's
   products around it (`Absorbed`: the layer's weights laid out per head once, at the backend's dtype).
 - prefill: a pass's rows come as M tiles of T query rows; tile m belongs to one sequence and reads its pages
-  through tables_MQ[m]. Per layer, once its latents are in the pool, `prefill_context` computes what the
-  layer's chunks read (a gathered view, expanded keys and values, or nothing for a kernel reading pages in
-  place), then `prefill_attend` each chunk: its attention output (R = M * T, D), after o_proj. `prefill_form` says which form
-  a segment takes and whether its context costs a unit of its own (the engine slices passes by units).
+  through tables_MQ[m]. Per layer, once its latents are in the pool, `prefill_context` computes what all the
+  layer's chunks read, where a form has such a context (expanded keys and values), then `prefill_attend` each
+  chunk: its attention output (R = M * T, D), after o_proj. `prefill_form` names the form a segment takes.
+Backends: xla (every platform), cpu (our C++ kernels), pallas (a GPU decode kernel; "auto" takes cpu where our
+CPU kernels serve, else xla: the pallas kernel has been lowered for CUDA and run interpreted, not on a GPU yet).
 
 Invariants, kept by every backend (tests/test_attention_backends.py holds each one to them):
 1. Causal and private: a query at position p reads rows [0, p] of its own sequence only. Rows past p, other
@@ -43,6 +44,11 @@ class Absorbed(NamedTuple):
     w_uv (N, V, C), at the dtype the backend's `per_head` takes."""
     w_uk_NCH: jax.Array
     w_uv_NVC: jax.Array
+
+    @staticmethod
+    def of(attn, dtype) -> "Absorbed":
+        w_uk, w_uv = attn.w_uk[...], attn.w_uv[...]
+        return Absorbed(w_uk.transpose(1, 0, 2).astype(dtype), w_uv.transpose(1, 2, 0).astype(dtype))
 
 
 class PrefillForm(NamedTuple):
@@ -79,8 +85,7 @@ class AttentionBackend:
     # -- decode --
 
     def absorbed(self, attn) -> Absorbed:
-        dtype = self.decode_dtype
-        return Absorbed(attn.w_uk[...].transpose(1, 0, 2).astype(dtype), attn.w_uv[...].transpose(1, 2, 0).astype(dtype))
+        return Absorbed.of(attn, self.decode_dtype)
 
     def per_head(self, x_NBI: jax.Array, w_NOI: jax.Array) -> jax.Array:
         """x_NBI @ w_NOI^T per head: (N, B, O) float32, x rounded to the weights' dtype."""

@@ -62,8 +62,7 @@ class CpuBackend(XlaBackend):
     def absorbed(self, attn) -> Absorbed:
         """bfloat16 for the few-row kernel, else float32 (XLA:CPU's float32 products of a few rows beat its bfloat16
         ones: decode_bench)."""
-        dtype = jnp.bfloat16 if self.few_rows else jnp.float32
-        return Absorbed(attn.w_uk[...].transpose(1, 0, 2).astype(dtype), attn.w_uv[...].transpose(1, 2, 0).astype(dtype))
+        return Absorbed.of(attn, jnp.bfloat16 if self.few_rows else jnp.float32)
 
     def per_head(self, x_NBI, w_NOI):
         """By the few-row kernel, all heads in one call, where the rows allow (x rounded to bfloat16); past them

@@ -4,9 +4,10 @@ The kernel (Pallas, lowered to Triton) reads each sequence's pages in place thro
 for both products, FlashMLA's way: a key is the whole latent ([c_kv | k_pe], split 512 + 64 for the tensor cores'
 power-of-two tiles), a value its c_kv. The grid is (sequence, split): a sequence's key blocks are cut into `splits`
 contiguous runs, each run an online softmax of its own, merged after the kernel with the new token's own column
-(so a long context fills the GPU at small batches). Queries come at the decode dtype, products accumulate in float32.
-Heads are padded to 16, the smallest tile a GPU's matrix units take, and go 64 to a program. On the CPU the kernel runs in Pallas's
-interpret mode (tests hold it to the xla backend); on a TPU this Triton form does not lower: take xla there.
+(so a long context fills the GPU at small batches). Queries come at the decode dtype, products accumulate in
+float32. Heads are padded to 16, the smallest tile a GPU's matrix units take, and go 64 to a program. On the CPU
+the kernel runs in Pallas's interpret mode (tests hold it to the xla backend); on a TPU this Triton form does not
+lower: take xla there.
 """
 from __future__ import annotations
 

@@ -169,24 +169,3 @@ class BlockManager:
         for block in range(seq.published_blocks, full):
             self.publish(seq.pages[block], hashes[block])
         seq.published_blocks = full
-
-    # -- accounting (tests) --
-
-    def check(self, owners: list[list[int]]) -> None:
-        """Raises AssertionError unless every page is free, hot or owned exactly as `owners` (the block
-        tables of live sequences) say."""
-        counts = [0] * self.num_pages
-        for table in owners:
-            for page in table:
-                counts[page] += 1
-        free, hot = set(self._free), set(self._hot)
-        assert len(free) == len(self._free), "a page is on the free list twice"
-        assert SCRATCH_PAGE not in free | hot and counts[SCRATCH_PAGE] == 0, "the scratch page was handed out"
-        for page in range(self.num_pages):
-            if page == SCRATCH_PAGE:
-                continue
-            states = (page in free) + (page in hot) + (counts[page] > 0)
-            assert states == 1, f"page {page}: free={page in free} hot={page in hot} refs={counts[page]}"
-            assert self._ref[page] == counts[page], f"page {page}: ref {self._ref[page]} != owners {counts[page]}"
-        for h, page in self._page_of.items():
-            assert self._hash_of.get(page) == h, f"page {page}: hash maps disagree"
