@@ -6,7 +6,8 @@ import argparse
 import sys
 
 
-BENCHES = {"ttft": "bench.ttft_bench", "trace": "bench.trace_bench", "serve": "bench.serve_bench"}
+BENCHES = {"ttft": "bench.ttft_bench", "trace": "bench.trace_bench", "serve": "bench.serve_bench",
+           "headline": "bench.headline"}
 
 
 def _model_init(args: argparse.Namespace) -> int:

@@ -46,7 +46,8 @@ def widened_experts(text: str, cfg) -> list[str]:
     """Converts of a routed expert weight tensor (E, ., .) to float32."""
     E = cfg.n_routed_experts
     return [line for line in text.splitlines()
-            if "stablehlo.convert" in line and re.search(rf"tensor<{E}x\d+x\d+xbf16>.*->.*tensor<{E}x\d+x\d+xf32>", line)]
+            if "stablehlo.convert" in line
+            and re.search(rf"tensor<{E}x\d+x\d+xbf16>.*->.*tensor<{E}x\d+x\d+xf32>", line)]
 
 
 def test_decode_lowers_for_cuda_with_the_pallas_kernel_no_widened_experts_and_no_whole_context(gpu_runner):
