@@ -1,21 +1,11 @@
-"""The model's weights over a device mesh: tensor parallel over attention heads and the dense MLP,
-expert parallel over routed experts, the latent cache replicated.
+"""The model's weights over a (tensor, expert) device mesh; the latent cache replicated.
 
-Mesh axes (a `jax.sharding.Mesh` of shape (tensor, expert)):
-- "tensor": attention heads (q_b_proj/q_proj columns, W_UK, W_UV, o_proj rows), the intermediate
-  dim of dense and shared-expert MLPs and of each routed expert, and the vocabulary (embedding rows,
-  LM head columns). XLA (GSPMD) inserts the all-reduces after o_proj and down_proj.
-- "expert": the routed experts. `expert_parallel` runs `routed_experts` under `shard_map`: each device
-  runs only the token copies routed to its own experts and the partial sums are added over the mesh
-  (tokens are replicated: no all-to-all at one engine's batch sizes; one could replace the psum).
-
-The latent cache is replicated: MLA caches one latent per token per layer (c_kv 512 and k_pe 64),
-shared by every head, so there is no head axis to split it along; each device's heads read it whole.
-Split by latent dim, every attention score would be a cross-device sum; split by token (context
-parallelism), it only pays where one device cannot hold it (V3 in bf16: 70 KB per token, 9 GB at 128K
-tokens). Replication also keeps the disk tier unchanged: a block loads into every device as stored.
-
-Parameters whose dim does not divide by its axis's size stay replicated on that axis.
+- "tensor": attention heads (q_b_proj/q_proj columns, W_UK, W_UV, o_proj rows), the intermediate dim of the
+  MLPs and of each routed expert, and the vocabulary. XLA inserts the all-reduces after o_proj and down_proj.
+- "expert": the routed experts. `expert_parallel` runs `routed_experts` under `shard_map`: each device runs
+  only the token copies routed to its own experts, and the partial sums are added over the mesh.
+The latent cache is replicated (one latent per token per layer, shared by every head: no head axis to split), so
+a block loads into every device as stored. A dim that does not divide by its axis's size stays replicated.
 """
 from __future__ import annotations
 
@@ -74,18 +64,8 @@ def param_shardings(params: dict, mesh: Mesh) -> dict:
                         names, params)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-    """Places a model's parameters (in host or device memory) on the mesh, each to its own shards."""
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    placed = jax.tree.map(jax.device_put, params, param_shardings(params, mesh))
-    nnx.replace_by_pure_dict(state, placed)
-    return nnx.merge(graphdef, state)
-
-
 def expert_parallel(routed: Callable, x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID) -> jax.Array:
-    """routed(x, weights, ids, gate, up, down, first=...) over the mesh in context (jax.set_mesh), each
-    device running only its own experts; without a mesh axis "expert", a plain call."""
+    """routed(...) over the mesh in context, each device running its own experts; with no "expert" axis, a call."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or EXPERT not in mesh.axis_names:
         return routed(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID)
@@ -101,10 +81,6 @@ def expert_parallel(routed: Callable, x_TD, weights_TK, ids_TK, gate_EDI, up_EDI
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *specs), out_specs=P(),
                          check_vma=False)(x_TD, weights_TK, ids_TK, gate_EDI, up_EDI, down_EID)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
 
 
 def bytes_per_device(cfg, tensor: int, expert: int) -> int:
