@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.latent_pool import pow2
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
@@ -101,9 +102,8 @@ ARGMAX_CHUNK = 128  # vocabulary entries per chunk of argmax_tokens' first pass
 
 
 def argmax_tokens(logits_BV: jax.Array) -> jax.Array:
-    """jnp.argmax over the vocabulary (the first index of each row's maximum) as plain reductions, since XLA:CPU
-    does not vectorize argmax's variadic one: the maximum of every chunk of ARGMAX_CHUNK entries, then the first
-    chunk holding the row's maximum and the first entry in it. A row with a NaN gives 0."""
+    """jnp.argmax over the vocabulary as plain reductions (XLA:CPU does not vectorize argmax's variadic one): each
+    chunk's maximum, then the first chunk holding the row's, then the first entry in it. A row with a NaN gives 0."""
     B, V = logits_BV.shape
     C = -(-V // ARGMAX_CHUNK)
     padded_BV = logits_BV if C * ARGMAX_CHUNK == V else jnp.pad(
@@ -118,8 +118,7 @@ def argmax_tokens(logits_BV: jax.Array) -> jax.Array:
 
 
 def _sample_keyed(logits_V, seed_2, step, temperature, top_p, top_k, cut: bool):
-    """cut (static): some row of the batch has a top-k or top-p cut, which needs a costly sort of the vocabulary;
-    without one a draw is one categorical over the scaled logits."""
+    """cut (static): some row has a top-k or top-p cut, which needs a costly sort of the vocabulary."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_2[0]), seed_2[1]), step)
     temperature = jnp.where(temperature > 0, temperature, 1.0)
     if not cut:
@@ -141,10 +140,8 @@ _greedy_rows = jax.jit(argmax_tokens)
 def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, top_k_B, counted_BT, presence_B,
                         frequency_B, bias_ids_BK, bias_BK, allowed_BW, logprobs: bool, top_n: int, draw: bool,
                         cut: bool, penalize: bool, bias: bool, mask: bool):
-    """Penalties (over the counted ids; id V pads and is dropped), bias, the grammar's bitmask, then the
-    usual sampling; logprobs come from the raw logits (the top_n most likely only when top_n > 0: a top-k over
-    the vocabulary costs more than the rest of the sampling). The static flags leave out what no row uses.
-    Returns (tokens, chosen logprobs, top ids, top logprobs); the last three None without logprobs."""
+    """Penalties (over the counted ids; id V pads), bias, the grammar's bitmask, then sampling; logprobs of the raw
+    logits (top_n > 0 only: a top-k costs more). Returns (tokens, chosen, top ids, top), the last 3 None without."""
     raw_BV = logits_BV.astype(jnp.float32)
     B, V = raw_BV.shape
     rows_B1 = jnp.arange(B)[:, None]
@@ -173,17 +170,11 @@ def _sample_shaped_rows(logits_BV, seeds_B2, steps_B, temperature_B, top_p_B, to
     return sampled_B, chosen_B, top_ids_BN, top_BN - lse_B[:, None]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
-    """The engine's sampler: one token per row of a (B, V) logits batch (B may exceed len(rows): a padded
-    decode batch), each row with its own parameters, on the device. Rows, penalty counts and bias lists are
-    padded to powers of two so batch sizes share compiled shapes; a batch without penalties, bias, a grammar
-    mask or logprobs takes the plain paths (greedy: `argmax_tokens`)."""
+    """The engine's sampler: a token per row of (B, V) logits (B >= len(rows)), each row with its own parameters,
+    padded to powers of two (shared compiled shapes); a plain batch takes the plain paths (greedy: `argmax_tokens`)."""
     n = len(rows)
-    padded = _pow2(n)
+    padded = pow2(n)
     if logits_BV.shape[0] < padded:
         logits_BV = jnp.pad(logits_BV, ((0, padded - logits_BV.shape[0]), (0, 0)))
     elif logits_BV.shape[0] > padded:
@@ -209,8 +200,8 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
     V = logits_BV.shape[1]
     penalized = [row.generated if row.params.presence_penalty or row.params.frequency_penalty else ()
                  for row in rows]
-    counted = np.full((padded, _pow2(max(1, *map(len, penalized)))), V, np.int32)  # V: dropped
-    bias_ids = np.full((padded, _pow2(max(1, *(len(row.params.logit_bias) for row in rows)))), V, np.int32)
+    counted = np.full((padded, pow2(max(1, *map(len, penalized)))), V, np.int32)  # V: dropped
+    bias_ids = np.full((padded, pow2(max(1, *(len(row.params.logit_bias) for row in rows)))), V, np.int32)
     bias = np.zeros(bias_ids.shape, np.float32)
     presence = np.zeros(padded, np.float32)
     frequency = np.zeros(padded, np.float32)
@@ -226,7 +217,7 @@ def sample_batch(logits_BV: jax.Array, rows: list[SamplingRow]) -> Sampled:
             allowed[i, :w] = row.allowed[:w]
             allowed[i, w:] = 0  # ids the grammar's tokenizer does not have
     asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
-    top_n = min(MAX_LOGPROBS, _pow2(max(asked))) if asked and max(asked) else 0  # few shapes to compile
+    top_n = min(MAX_LOGPROBS, pow2(max(asked))) if asked and max(asked) else 0  # few shapes to compile
     tokens, chosen, top_ids, top = _sample_shaped_rows(logits_BV, seeds, steps, temperature, top_p, top_k, counted,
                                                        presence, frequency, bias_ids, bias, allowed,
                                                        logprobs=bool(asked), top_n=top_n,

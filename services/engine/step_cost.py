@@ -1,7 +1,5 @@
-"""What a model step costs, fitted online from the engine's measured steps, so the scheduler can size a
-prefill segment by time instead of by a fixed token count. Nothing here reads a clock: the engine feeds in
-the seconds it measured, tests chosen ones.
-"""
+"""What a model step costs, fitted online from the engine's measured seconds, so the scheduler can size a
+prefill segment by time. Nothing here reads a clock."""
 from __future__ import annotations
 
 from collections import deque
@@ -10,20 +8,15 @@ from statistics import median
 import numpy as np
 from scipy.optimize import nnls  # scipy comes with jax
 
+from model.latent_pool import pow2  # the shapes the runner compiles, for segment sizes and batches
+
 PREFILL_WINDOW = 16  # latest segments kept per size: old sizes still tell per-token from per-segment terms
 DECODE_WINDOW = 9  # decode steps per batch bucket; the median ignores a step that compiled a new shape
 SPREAD = 1.5  # a term is fitted only once the window's segments vary enough (in end, in n) to tell it apart
 
 
-def pow2_bucket(n: int) -> int:
-    """The power of two at or above n: the shapes the runner compiles, for segment sizes and batches."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def relative_nnls(terms: dict[str, np.ndarray], t_S: np.ndarray) -> dict[str, float]:
-    """Non-negative coefficients k with t ~ sum(k[name] * terms[name]), least squares on relative error
-    (each row over its t: costs range from milliseconds to seconds, and one slow outlier, such as a step that
-    compiled, does not dominate)."""
+    """Non-negative k with t ~ sum(k[name] * terms[name]), least squares on relative error (outliers count less)."""
     X_SK = np.stack(list(terms.values()), axis=1) / t_S[:, None]
     scale_K = X_SK.max(axis=0)  # columns of one magnitude, for the solver
     k_K, _ = nnls(X_SK / scale_K, np.ones_like(t_S))
@@ -31,13 +24,8 @@ def relative_nnls(terms: dict[str, np.ndarray], t_S: np.ndarray) -> dict[str, fl
 
 
 class PrefillCost:
-    """t(n, end) = a*n + b*n*end + c*end + d seconds for a segment of n tokens ending at position `end`: every
-    token goes through the projections and the MoE (a) and attends over about `end` latents (b); every segment
-    gathers (in the expanded form, expands) the prefix's view once per layer (c) and dispatches its layers (d),
-    so at long contexts a fixed-size segment costs many decode steps. A pass of several sequences' segments
-    pays d once. Fitted by `relative_nnls` over the latest passes of each size; a term joins once the window
-    tells it apart: a always, b once the ends differ by SPREAD, c and d once the sizes n do too (with one n,
-    c*end is b*n*end and d is a*n)."""
+    """t(n, end) = a*n + b*n*end + c*end + d seconds for n tokens ending at `end` (per token, attention, the view per
+    layer, dispatch once a pass); a term joins the fit once the window tells it apart (ends, then sizes, by SPREAD)."""
 
     def __init__(self, window: int = PREFILL_WINDOW):
         self.window = window
@@ -54,7 +42,7 @@ class PrefillCost:
             return  # a clock glitch or an empty segment says nothing about cost
         n = sum(n for n, _ in segments)
         features = (n, sum(n * end for n, end in segments), sum(end for _, end in segments), seconds)
-        self.by_size.setdefault(pow2_bucket(n), deque(maxlen=self.window)).append(features)
+        self.by_size.setdefault(pow2(n), deque(maxlen=self.window)).append(features)
         self._fit()
 
     @property
@@ -92,8 +80,7 @@ class PrefillCost:
 
 
 class DecodeCost:
-    """Seconds of a decode step by batch size (power-of-two buckets, the shapes the runner compiles):
-    the median of the bucket's latest steps; a bucket not seen yet takes the nearest seen one's."""
+    """Seconds of a decode step by batch size: the median of its power-of-two bucket's (else the nearest's) steps."""
 
     def __init__(self, window: int = DECODE_WINDOW):
         self.window = window
@@ -103,7 +90,7 @@ class DecodeCost:
     def observe(self, batch: int, seconds: float) -> None:
         if batch < 1 or not seconds > 0:
             return
-        key = pow2_bucket(batch)
+        key = pow2(batch)
         steps = self.steps.setdefault(key, deque(maxlen=self.window))
         steps.append(seconds)
         self.medians = {**self.medians, key: median(steps)}  # replaced whole: stats() reads it
@@ -112,7 +99,7 @@ class DecodeCost:
         medians = self.medians
         if not medians:
             return None
-        key = pow2_bucket(batch)
+        key = pow2(batch)
         nearest = min(medians, key=lambda k: (abs(k.bit_length() - key.bit_length()), k))  # a tie: the smaller
         return medians.get(key, medians[nearest])
 
@@ -121,11 +108,8 @@ class DecodeCost:
 
 
 class DispatchCost:
-    """t(B, S) = f + g*B*S + h*B seconds for one decode dispatch of a batch padded to B rows with S-row views:
-    the weights are read once whatever the batch (f), attention gathers and reads every view row (g), every
-    sequence goes through the projections and the head (h). Fitted by `relative_nnls` over the median of each
-    (B, S) shape's latest dispatches once the shapes differ in B*S by SPREAD. It tells whether a decode batch is
-    cheaper as two dispatches, short sequences apart from long ones (a batch's views are as long as its longest's)."""
+    """t(B, S) = f + g*B*S + h*B seconds for a decode dispatch of B padded rows over S-row views (weights, view rows,
+    sequences), fitted once the shapes differ in B*S by SPREAD: whether a batch is cheaper as two dispatches."""
 
     def __init__(self, window: int = DECODE_WINDOW):
         self.window = window
@@ -136,7 +120,6 @@ class DispatchCost:
         if batch < 1 or view < 1 or not seconds > 0:
             return
         self.by_shape.setdefault((batch, view), deque(maxlen=self.window)).append(seconds)
-        # A shape's median: its first dispatch compiles.
         rows = np.array([(b, v, median(ts)) for (b, v), ts in self.by_shape.items()], np.float64)
         b_S, v_S, t_S = rows.T
         cells = b_S * v_S
