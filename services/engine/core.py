@@ -1,10 +1,7 @@
 """The serving engine: continuous batching over the paged latent pool, on one model thread.
 
-Requests arrive on the event loop (`run`) and reach the model thread through an inbox. The model thread loops:
-take the inbox and the disk tier's completions (tiers.py), admit (pages from the block manager; a disk hit starts
-loading), ask the scheduler for the step's plan and execute it (decode dispatches, prefill passes: passes.py),
-sample, stream, publish complete blocks to the memory tier and save new ones. With nothing to run it waits,
-without polling, for a request, a completion or a load's deadline.
+Requests reach the model thread through an inbox; it loops: take the inbox and the disk tier's completions, admit,
+execute the scheduler's plan, sample, stream, publish and save full blocks; idle, it waits for the next event.
 """
 from __future__ import annotations
 
@@ -57,7 +54,8 @@ class Engine:
         self.loaded = loaded._replace(model=serving_model(loaded.model, cfg.dtype, platform=platform))
         self.cfg, self.cache, self.metrics, self.B = cfg, cache, metrics, cfg.block_tokens
         g = loaded.config
-        num_pages = cfg.pool_pages(g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize)
+        self.token_bytes = g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize  # a token's latents
+        num_pages = cfg.pool_pages(self.token_bytes)
         self.latents = LatentPool(g, num_pages, self.B)
         backend = make_backend(cfg.attention, g, platform, cfg.dtype, page_tokens=self.B)
         if cfg.batch_invariant and not backend.batch_invariant:
@@ -98,9 +96,7 @@ class Engine:
         return token_grammar(default_tokenizer_json(self.cfg.model_dir or None), g.vocab_size, g.eos_token_id)
 
     def check(self, job: Job) -> GrammarState | None:
-        """Raises ValueError (the user's fault) for ids out of range, a prompt too long for the context or the
-        pool, GrammarError for a grammar that does not compile (an answer outgrowing the pool is cut, "length").
-        Returns the job's grammar compiled."""
+        """The job's grammar compiled; ValueError for bad ids or a prompt too long, GrammarError for a bad grammar."""
         self.runner.check_tokens(job.tokens, job.params.max_tokens)
         if self.blocks.pages_for(job.tokens.size + 1) > self.blocks.usable:
             raise TooLarge(f"prompt of {job.tokens.size} tokens does not fit this engine's latent pool of "
@@ -160,8 +156,7 @@ class Engine:
                 "pool": {"pages": b.usable, "page_tokens": self.B, "tokens": b.usable * self.B,
                          "bytes": self.latents.bytes, "owned_pages": b.owned_pages, "hot_pages": b.hot_pages,
                          "evictions": b.evictions},
-                # What this engine holds in memory, for the gateway's cache-aware routing.
-                "hot_blocks": [h.hex() for h in b.held_hashes()]}
+                "hot_blocks": [h.hex() for h in b.held_hashes()]}  # for the gateway's cache-aware routing
 
     # -- the model thread --
 
@@ -248,7 +243,7 @@ class Engine:
         self.cost.dispatch.observe(*self.runner.decode_shape([r.position for r in rows]), time.perf_counter() - begin)
         for seq in dispatch:
             seq.computed += 1
-            self._publish(seq)
+            self.blocks.publish_sequence(seq)
         self._answer(logits, dispatch, taken)
 
     def _passed(self, flight: Flight) -> None:
@@ -260,7 +255,7 @@ class Engine:
         for seq, n in group:
             seq.computed += n
             self.metrics.prefill_tokens.labels("computed").inc(n)
-            self._publish(seq)
+            self.blocks.publish_sequence(seq)
             if seq not in wanted and seq.computed // self.B - seq.saved_blocks >= self.cfg.save_every_tokens // self.B:
                 self._save(seq)  # a long prefill keeps its progress if it is preempted, cancelled or fails
         if wanted:
@@ -275,9 +270,8 @@ class Engine:
         return min(seq.remaining, self.loaded.config.max_context - len(seq.tokens))
 
     def _sample(self, logits, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """A token per sequence, with its penalties, bias and grammar mask (computed on the host while the device
-        runs the step); the grammar takes each token, or its closing token when the sampled one would leave no
-        room to close (then sampled again, forced, for its logprobs)."""
+        """A token per sequence, with its penalties, bias and grammar mask (computed on the host while the device runs);
+        the grammar may replace a token with its closing token (sampled again, forced, for its logprobs)."""
         rows = [self._row(seq) for seq in seqs]
         sampled = sample_batch(logits, rows)
         out = [(int(t), lp) for t, lp in zip(sampled.tokens, sampled.logprobs)]
@@ -332,7 +326,7 @@ class Engine:
         self.passes.abort(seq)
         self.tiers.cancel(seq)
         if seq.status is Status.RUNNING and outcome != "error":
-            self._publish(seq)
+            self.blocks.publish_sequence(seq)
             self._save(seq)
         self.scheduler.remove(seq)
         self._count(active=-1)
@@ -345,13 +339,7 @@ class Engine:
             self.metrics.prefetch_stall.inc(seq.stall_s)
 
     def _disk_bytes(self, seq: Sequence) -> int:
-        g = self.loaded.config
-        return seq.disk_tokens * g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize
-
-    # -- the two tiers --
-
-    def _publish(self, seq: Sequence) -> None:
-        self.blocks.publish_sequence(seq)
+        return seq.disk_tokens * self.token_bytes
 
     def _save(self, seq: Sequence) -> None:
         full = min(seq.settled // self.B, len(seq.pages))
@@ -365,11 +353,8 @@ class Engine:
         m.pool_owned_pages.set(self.blocks.owned_pages)
         m.pool_hot_pages.set(self.blocks.hot_pages)
 
-    # -- start-up --
-
     def warm_up(self) -> None:
-        """Compiles the common shapes and measures prefill speed (the load deadline, the first step costs), before
-        the model thread starts, on pages it frees again."""
+        """Compiles the common shapes and measures prefill speed before the model thread starts."""
         n = min(self.cfg.chunk_tokens, 512, (self.blocks.usable - 1) * self.B)
         pages = self.blocks.allocate(-(-(n + 1) // self.B))
         batches = [1 << i for i in range(pow2(self.cfg.max_batch).bit_length())]
