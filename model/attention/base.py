@@ -1,31 +1,26 @@
 """The attention-backend interface: how MLA attention reads the paged latent pool.
 
-The pool holds, per layer, an array (P pages, B rows, A) of the latents' raw bits (uint16 for bfloat16, uint32
-for float32). A block table lists a sequence's pages in position order: position p is row p % B of page
-table[p // B]. Page 0 is the scratch page: padded tokens write there and padded table entries point at it.
+The pool holds, per layer, an array (P pages, B rows, A) of the latents' raw bits. A block table lists a sequence's
+pages in position order: position p is row p % B of page table[p // B]. Page 0 is the scratch page: padded tokens
+write there and padded table entries point at it.
 
 The runner (model/runner.py) calls a backend inside its jitted functions; a backend keeps no state between calls.
 - decode(attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA) -> (B, N, C) float32: each sequence's
-  absorbed query ([q_nope @ W_UK | q_pe], FlashMLA's layout) over rows [0, position) of its pages and its own new
-  latent (not yet in the pool): the softmax-weighted latents, normalised. `per_head` gives W_UK and W_UV's
-  products around it (`Absorbed`: the layer's weights laid out per head once, at the backend's dtype).
-- prefill: a pass's rows come as M tiles of T query rows; tile m belongs to one sequence and reads its pages
-  through tables_MQ[m]. Per layer, once its latents are in the pool, `prefill_context` computes what all the
-  layer's chunks read, where a form has such a context (expanded keys and values), then `prefill_attend` each
-  chunk: its attention output (R = M * T, D), after o_proj. `prefill_form` names the form a segment takes.
-Backends: xla (every platform), cpu (our C++ kernels), pallas (a GPU decode kernel; "auto" takes cpu where our
-CPU kernels serve, else xla: the pallas kernel has been lowered for CUDA and run interpreted, not on a GPU yet).
+  absorbed query ([q_nope @ W_UK | q_pe]) over rows [0, position) of its pages and its own new latent (not yet in
+  the pool), softmax-weighted and normalised; `per_head` gives W_UK and W_UV's products around it.
+- prefill: M tiles of T query rows, tile m one sequence's, reading its pages through tables_MQ[m]. Per layer,
+  `prefill_context` computes what all chunks read (where the form has a context), then `prefill_attend` each
+  chunk: (R = M * T, D) after o_proj. `prefill_form` names a segment's form.
+Backends: xla (every platform), cpu (our C++ kernels), pallas (GPU decode); "auto": cpu where ours serve, else xla.
 
 Invariants, kept by every backend (tests/test_attention_backends.py holds each one to them):
 1. Causal and private: a query at position p reads rows [0, p] of its own sequence only. Rows past p, other
    tables' pages, the scratch page and table padding never change its output, whatever finite values they hold.
-2. Precision: latents are read at cache precision; the products take their operands at the attention dtype (the
-   served weights', or float32 where `attn.wide`) and accumulate in float32; softmax runs in float32.
-3. No whole-context copy in decode: decode reads pages through the tables a key block at a time (or in place),
-   never materialising a (B, context, A) array.
-4. Batch invariance where `batch_invariant`: at one batch size (batch-invariant mode pads every batch to one), a
-   row's output bits depend on its own query, position and pages only, not on the other rows of its batch, on
-   the table's width, or on the batch's longest position.
+2. Precision: latents are read at cache precision; products take operands at the attention dtype (the served
+   weights', or float32 where `attn.wide`) and accumulate in float32; softmax runs in float32.
+3. No whole-context copy in decode: pages are read a key block at a time (or in place), never as (B, context, A).
+4. Batch invariance where `batch_invariant`: at one batch size, a row's output bits depend on its own query,
+   position and pages only: not on the batch's other rows, the table's width or the longest position.
 5. Explicit platform: a backend is chosen by name and platform (`make_backend`), not by where arrays live, so
    any platform's path can be traced and lowered anywhere.
 """
@@ -40,8 +35,7 @@ from model.config import ModelConfig
 
 
 class Absorbed(NamedTuple):
-    """A layer's absorbed-attention weights laid out per head as (out, in) for decode's few rows: w_uk (N, C, H),
-    w_uv (N, V, C), at the dtype the backend's `per_head` takes."""
+    """A layer's W_UK (N, C, H) and W_UV (N, V, C) laid out per head, at the dtype `per_head` takes."""
     w_uk_NCH: jax.Array
     w_uv_NVC: jax.Array
 
@@ -52,10 +46,8 @@ class Absorbed(NamedTuple):
 
 
 class PrefillForm(NamedTuple):
-    """How a prefill segment's attention is computed: `name` is the backend's own; `context_unit`: the form has a
-    context (`prefill_context`, once per layer: expanded keys and values), a unit of its own (without one the
-    context is None); `fixed_table`: every segment's table takes the pool's widest width (a kernel reading only
-    each row's own range: one compiled shape per chunk size)."""
+    """How a prefill segment's attention is computed: `name` is the backend's; `context_unit`: a per-layer context
+    (`prefill_context`) as a unit of its own; `fixed_table`: every table takes the pool's widest width."""
     name: str
     context_unit: bool
     fixed_table: bool = False
@@ -69,8 +61,7 @@ class AttentionBackend:
 
     def __init__(self, cfg: ModelConfig, platform: str, dtype: str):
         self.cfg, self.platform, self.dtype = cfg, platform, jnp.dtype(dtype)
-        # decode attention's two big products take this dtype: the cache dtype (as FlashMLA) for a model served
-        # in bfloat16, float32 for one served in float32
+        # decode attention's products: the cache dtype (as FlashMLA) served in bfloat16, float32 served in float32
         self.decode_dtype = jnp.promote_types(self.dtype, cfg.cache_dtype)
 
     def _settings(self) -> tuple:
@@ -81,8 +72,6 @@ class AttentionBackend:
 
     def __hash__(self) -> int:
         return hash((type(self), self._settings()))
-
-    # -- decode --
 
     def absorbed(self, attn) -> Absorbed:
         return Absorbed.of(attn, self.decode_dtype)
@@ -95,11 +84,8 @@ class AttentionBackend:
                latents_BA: jax.Array) -> jax.Array:
         raise NotImplementedError
 
-    # -- prefill --
-
     def prefill_form(self, n: int, end: int, choice: str = "auto", tiles: int = 1) -> PrefillForm:
-        """The form of n query rows a tile ending by `end` (the view's rows), in a pass of `tiles` tiles;
-        `choice`: "auto" (the backend's), "absorbed" or "expanded"."""
+        """The form of n query rows of a tile ending by `end`, in a pass of `tiles`; `choice`: auto or a form."""
         raise NotImplementedError
 
     def context_buffer(self, form: str, end: int, previous: Any) -> Any:
@@ -117,8 +103,7 @@ class AttentionBackend:
 
 def make_backend(name: str, cfg: ModelConfig, platform: str, dtype: str, page_tokens: int = 64,
                  **options) -> AttentionBackend:
-    """The backend `name` ("auto": the best one for `platform`) for a model served at `dtype` over pages of
-    `page_tokens`; `options` go to its constructor (tests and benchmarks turn kernels on or off)."""
+    """The backend `name` ("auto": the best for `platform`); `options` go to its constructor (tests, benchmarks)."""
     from model.attention.cpu import CpuBackend, cpu_serves
     from model.attention.pallas import PallasBackend
     from model.attention.xla import XlaBackend

@@ -1,13 +1,9 @@
 """The `cpu` attention backend: our C++ kernels (model/cpu_kernels.py) where they serve, `xla`'s paths elsewhere.
 
-- decode attention reads each sequence's pages in place (`paged_mla_decode`: AMX, AVX-512 or AVX2 paths), and
-  W_UK / W_UV per head take the few-row kernel (bfloat16 weights streamed once) where the rows allow;
-- prefill attention, with AMX, reads the pages in place: absorbed, every tile of a pass in one call
-  (`mla_prefill_paged_attention`: "pages"); expanded, each layer's keys and values computed from the pages on the
-  tiles once (`mla_expand_pages`) and each chunk over them (`mla_prefill_expanded_attention`: "laid"). A one-token
-  segment, and every segment on a CPU without AMX, takes xla's forms.
-The kernels' numerics are unchanged from the paths they had in the runners; they read only each row's own range,
-so their tables have one width (the longest sequence the pool allows): one compiled shape per batch or chunk size.
+Decode attention reads each sequence's pages in place, and W_UK / W_UV per head take the few-row kernel. With
+AMX, prefill attention reads the pages in place too: absorbed, a pass's tiles in one call ("pages"); expanded, each
+layer's keys and values laid out once and each chunk over them ("laid"). The kernels read only each row's own
+range, so their tables have one width: one compiled shape per batch or chunk size.
 """
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ class CpuBackend(XlaBackend):
         self.decode_kernel = decodes and cpu_kernels.decode_serves() if decode_kernel is None else decode_kernel
         if self.decode_kernel and not decodes:
             raise ValueError(f"the CPU decode kernel was asked for but is unavailable: {why or 'unsupported dims'}")
-        # its best path here ("auto": AMX rounds queries and weights to bfloat16, as xla's path does at a bfloat16
-        # attention dtype), or float32's for a model served in float32
+        # "auto" (AMX rounds to bfloat16, as xla's path does at a bfloat16 decode dtype), or float32 served in float32
         self.decode_path = decode_path or ("auto" if self.decode_dtype == jnp.bfloat16 else "float32")
         bf16 = self.dtype == jnp.bfloat16
         self.few_rows = built and bf16 and cpu_kernels.few_rows_serve() if few_rows is None else few_rows
@@ -57,16 +52,12 @@ class CpuBackend(XlaBackend):
                               and V <= H + R <= 1024 and A <= 1024)
         self.decode_by_longest = not self.decode_kernel
 
-    # -- decode --
-
     def absorbed(self, attn) -> Absorbed:
-        """bfloat16 for the few-row kernel, else float32 (XLA:CPU's float32 products of a few rows beat its bfloat16
-        ones: decode_bench)."""
+        """bfloat16 for the few-row kernel, else float32 (XLA:CPU's float32 products of a few rows are faster)."""
         return Absorbed.of(attn, jnp.bfloat16 if self.few_rows else jnp.float32)
 
     def per_head(self, x_NBI, w_NOI):
-        """By the few-row kernel, all heads in one call, where the rows allow (x rounded to bfloat16); past them
-        XLA's float32 product of the same rounded rows; without the kernel, XLA's float32 product of x as given."""
+        """The few-row kernel over all heads where the rows allow (x rounded to bfloat16), else XLA's float32."""
         if not self.few_rows:
             return jnp.einsum("nbi,noi->nbo", x_NBI.astype(jnp.float32), w_NOI.astype(jnp.float32))
         if cpu_kernels.few_rows_supported(x_NBI.shape[1], x_NBI.shape[2]):
@@ -80,22 +71,17 @@ class CpuBackend(XlaBackend):
         return cpu_kernels.paged_mla_decode(q_BNA, pool_PBA, tables_BQ, positions_B, latents_BA.astype(q_BNA.dtype),
                                             attn.scale, attn.kv_lora_rank, self.decode_path)
 
-    # -- prefill --
-
     def prefill_form(self, n, end, choice="auto", tiles=1):
         """The kernel's expanded form lays out one sequence's keys and values: a pass of several takes "pages"."""
         if not self.prefill_kernel or n == 1 or (choice == "expanded" and (tiles > 1 or not self.expands_pages)):
             return super().prefill_form(n, end, choice)
-        # with the absorbed kernel alone, absorbed always: on `mini` it measured faster than XLA's expanded form
-        # at every size tried; with both, the same rule as xla's (the kernels run their products at about one rate)
+        # absorbed kernel alone: always absorbed (faster than XLA's expanded form); with both, xla's FLOP rule
         absorbed = (choice == "absorbed" or not self.expands_pages or tiles > 1 or choice == "auto"
                     and prefer_absorbed(self.cfg, n, end))
         return PrefillForm("pages", False, True) if absorbed else PrefillForm("laid", True, True)
 
     def context_buffer(self, form: str, end: int, previous):
-        """The expanded keys and values' buffer of "laid" (N, rows, H + R + V raw bits, rows a power of two from
-        LAID_ROWS): the pass's previous layer's when it fits, donated (a fresh one per layer cost ~12 ms of page
-        faults at 16K)."""
+        """The buffer of "laid" (N, rows, H + R + V) raw bits: the previous layer's when it fits, donated."""
         if form != "laid":
             return None
         cfg = self.cfg

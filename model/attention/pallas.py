@@ -1,13 +1,9 @@
 """The `pallas` attention backend: decode attention as a ragged paged MLA kernel for GPUs; prefill takes xla's forms.
 
-The kernel (Pallas, lowered to Triton) reads each sequence's pages in place through its block table, each page once
-for both products, FlashMLA's way: a key is the whole latent ([c_kv | k_pe], split 512 + 64 for the tensor cores'
-power-of-two tiles), a value its c_kv. The grid is (sequence, split): a sequence's key blocks are cut into `splits`
-contiguous runs, each run an online softmax of its own, merged after the kernel with the new token's own column
-(so a long context fills the GPU at small batches). Queries come at the decode dtype, products accumulate in
-float32. Heads are padded to 16, the smallest tile a GPU's matrix units take, and go 64 to a program. On the CPU
-the kernel runs in Pallas's interpret mode (tests hold it to the xla backend); on a TPU this Triton form does not
-lower: take xla there.
+The kernel (Pallas, lowered to Triton) reads each page once for both products, FlashMLA's way: a key is the whole
+latent, a value its c_kv. A sequence's key blocks are cut into `splits` runs, each an online softmax of its own,
+merged after the kernel with the new token's column (a long context fills the GPU at small batches). Heads are
+padded to 16, the matrix units' smallest tile. On the CPU it runs interpreted; it does not lower for TPUs.
 """
 from __future__ import annotations
 

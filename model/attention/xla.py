@@ -1,10 +1,7 @@
 """The `xla` attention backend: plain JAX, every platform.
 
-Decode reads each sequence's pages through its table a key block at a time (DECODE_BLOCK_ROWS rows: a (B, block,
-A) gather per step of an online softmax over the batch's longest position), so no step copies whole contexts.
-Prefill gathers each tile's pages into a view (the segment's own latents included) and attends over it blockwise
-(flash attention's online softmax over `key_block`-row blocks, those past the chunk's last position skipped; one
-block is a plain softmax); in the expanded form the view's keys and values are expanded once per layer first.
+Decode reads pages through the tables, a (B, DECODE_BLOCK_ROWS, A) gather per online-softmax step; prefill gathers
+each tile's pages into a view, attended in `key_block`-row blocks (expanded: its keys and values, once per layer).
 """
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ def _online_step(carry, scores_XS, weigh):
 
 
 def views(pool_PBA, tables_MQ) -> jax.Array:
-    """Each tile's pages as a view of raw bits (M, Q * page, A): handed a bfloat16 view, XLA:CPU converted all of it
-    to float32 before the blockwise loop."""
+    """Each tile's pages as raw bits (M, Q * page, A): XLA:CPU would widen a whole bfloat16 view first."""
     return pool_PBA.at[tables_MQ].get(mode="promise_in_bounds").reshape(tables_MQ.shape[0], -1, pool_PBA.shape[-1])
 
 
@@ -57,8 +53,6 @@ class XlaBackend(AttentionBackend):
         if key_block < 0:
             raise ValueError(f"key_block must be >= 0 (0 = one-pass attention), got {key_block}")
         self.key_block = key_block
-
-    # -- decode --
 
     def decode(self, attn, q_BNA, positions_B, pool_PBA, tables_BQ, latents_BA):
         B, Q = tables_BQ.shape
@@ -84,15 +78,12 @@ class XlaBackend(AttentionBackend):
         _, sum_BN, acc_BNC = _online_step(carry, own_BN1, lambda p: p * new_BA[:, None, :C].astype(jnp.float32))
         return acc_BNC / sum_BN[..., None]
 
-    # -- prefill --
-
     def prefill_form(self, n, end, choice="auto", tiles=1):
         absorbed = prefer_absorbed(self.cfg, n, end) if choice == "auto" else choice == "absorbed"
         return PrefillForm("absorbed", False) if absorbed else PrefillForm("expanded", True)
 
     def prefill_context(self, attn, pool_PBA, tables_MQ, end, form, into=None):
-        """Expanded: each tile's view (`views`) and its keys and values, once per layer for all its chunks. Absorbed:
-        nothing (each chunk gathers its tiles' views inside its own call)."""
+        """Expanded: each tile's view and its keys and values, once per layer for all chunks; absorbed: None."""
         if form != "expanded":
             return None
         views_MSA = views(pool_PBA, tables_MQ)
@@ -114,9 +105,8 @@ class XlaBackend(AttentionBackend):
         return jax.vmap(tile)(split(q_nope_NRH), split(q_pe_NRR), positions_MT, views_MSA, expanded).reshape(M * T, -1)
 
     def attend(self, attn, q_nope_NTH, q_pe_NTR, positions_T, view_SA, expanded) -> jax.Array:
-        """(N, T, V): T queries (at the products dtype) over view rows [0, position], blockwise. Absorbed, a key
-        block is (block, C) latents + (block, R) k_pe shared by all heads and the running output stays in the latent
-        (N, T, C) until W_UV; expanded, a block is (N, block, H + R) keys and (N, block, V) values."""
+        """(N, T, V): T queries over view rows [0, position], blockwise. A key block is, absorbed, (block, A) latents
+        shared by all heads (output latent until W_UV); expanded, (N, block, H + R) keys and (N, block, V) values."""
         dtype = q_nope_NTH.dtype
         S, C = view_SA.shape[0], attn.kv_lora_rank
         block = key_block_for(S, self.key_block)
