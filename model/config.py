@@ -47,7 +47,6 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     scoring_func: str = "sigmoid"  # "sigmoid" (V3, with e_score_correction_bias) or "softmax" (V2)
     topk_method: str = "noaux_tc"  # "noaux_tc" (V3), "greedy" or "group_limited_greedy" (V2)
-    # RoPE / YaRN
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     rope_scaling: dict[str, Any] | None = None  # YaRN: factor, original_max_position_embeddings, mscale, ...

@@ -1,18 +1,10 @@
 """Hugging Face DeepSeek-V2/V3 safetensors -> a DeepInfer model directory, streamed tensor by tensor.
 
-Each parameter is read, converted (transposed to (in, out), split, cast), hashed and written into the orbax
-checkpoint alone; routed experts, stacked (E, D, I) in our layout, one expert at a time. Reads are `pread`s into
-fresh buffers, not memory maps, so no file page counts against this process: peak host memory is the largest
-non-expert tensor (read and transposed once) or one expert's matrix, plus tensorstore's write buffers
-(tests/test_model_convert.py measures it). Every HF tensor's shape is checked from the headers before anything
-is written. Multi-token-prediction layers (past num_hidden_layers) are skipped.
-
-FP8 block-scaled weights (V3's e4m3 with a `weight_scale_inv` per 128x128 tile) are dequantised as they stream,
-to the param dtype (bf16 unless overridden): no XLA backend here has block-scaled FP8 matmuls (XLA:GPU's FP8 dots
-take per-tensor scales), so keeping FP8 would dequantise whole tensors every step. e4m3 x fp32 scale rounded to
-bf16 is within half a bf16 ulp of the exact product, as bf16 compute rounds anyway. The cost is twice the memory
-(V3: 1.34 TB against 0.67 TB, README "Real models"); a block-scaled FP8 matmul behind `Linear` and
-`grouped_swiglu` would halve it.
+Each parameter is read (`pread`s into fresh buffers, not memory maps), converted (transposed to (in, out), split,
+cast), hashed and written alone, routed experts one at a time: peak host memory is the largest non-expert tensor
+or one expert's matrix. Every shape is checked from the headers first; multi-token-prediction layers are skipped.
+FP8 block-scaled weights (V3's e4m3, a `weight_scale_inv` per 128x128 tile) are dequantised to the param dtype as
+they stream: no XLA backend here has block-scaled FP8 matmuls (the cost: twice the memory).
 """
 from __future__ import annotations
 
@@ -84,8 +76,7 @@ class SafetensorsDir:
         return np.broadcast_to(np.zeros((), np.float32 if fp8 else _DTYPES[dtype]), shape)
 
     def get(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
-        """The tensor, or its rows [lo, hi) along the first axis, as a fresh array; FP8 with a
-        `_scale_inv` companion comes back dequantised to float32."""
+        """The tensor, or its rows [lo, hi), as a fresh array; FP8 with a `_scale_inv` comes dequantised (float32)."""
         file, dtype, shape, offset = self._locate(name)
         element = np.dtype(_DTYPES[dtype])
         row = int(np.prod(shape[1:], dtype=np.int64)) * element.itemsize
@@ -193,8 +184,7 @@ class Streamed:
 
 
 class StreamedHandler(ocp.type_handlers.NumpyHandler):
-    """Writes `Streamed` leaves one at a time (orbax starts every leaf's write at once), each as
-    zarr chunks of whole pieces, hashing the bytes as they pass."""
+    """Writes `Streamed` leaves one at a time (orbax starts them all at once), hashing the bytes as they pass."""
 
     def __init__(self, bar: tqdm, lines: dict[str, bytes]):
         super().__init__(deepcopy_host_arrays=False)
@@ -268,9 +258,8 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, name: str | None 
     with tqdm(total=sum(leaf.nbytes for leaf in leaves.values()), desc="convert", unit="B", unit_scale=True,
               disable=not progress) as bar:
         registry = ocp.type_handlers.create_type_handler_registry((Streamed, StreamedHandler(bar, lines)))
-        handler = ocp.PyTreeCheckpointHandler(
-            # One zarr array per tensor: OCDBT's writer holds memory in proportion to everything written.
-            type_handler_registry=registry, use_ocdbt=False)
+        # one zarr array per tensor: OCDBT's writer holds memory in proportion to everything written
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(out / "params", nest_params(target, leaves))
     digest = combine_digest(lines)

@@ -1,16 +1,9 @@
-"""CPU kernels of our own as XLA FFI custom calls, built for this machine on first use; the `cpu` attention
-backend (model/attention/cpu.py) and the served model's few-row products call them.
-
-- `paged_mla_decode` (kernels/paged_mla_decode.cc): decode attention read in place from the paged pool.
-- `few_row_product` (kernels/few_row_product.cc): a few rows times bfloat16 weights, streaming the weights once
-  (XLA:CPU's bfloat16 product of so few rows runs well below memory speed).
-- kernels/mla_prefill_attention.cc (AMX only): `mla_prefill_attention` and `mla_prefill_paged_attention`, absorbed
-  prefill attention over a latent view or over sequences' pages in place; `mla_expand_pages` and
-  `mla_prefill_expanded_attention`, the expanded form (each head's keys and values computed once per layer).
-
-One library, compiled with `$CXX` (else g++) at -march=native into the compilation cache's directory, keyed by
-everything that shapes the binary (once a machine). Without a compiler, or with DEEPINFER_CPU_KERNELS=0, they
-are unavailable and XLA's paths serve.
+"""CPU kernels of our own as XLA FFI custom calls, built on first use (one library, `$CXX` or g++ at -march=native,
+cached by everything that shapes the binary; without a compiler, or with DEEPINFER_CPU_KERNELS=0, XLA's paths serve).
+- `paged_mla_decode`: decode attention read in place from the paged pool.
+- `few_row_product`: a few rows times bfloat16 weights, streaming them once (XLA:CPU's runs below memory speed).
+- AMX only: `mla_prefill_attention` and `mla_prefill_paged_attention`, absorbed prefill attention over a view or
+  over pages in place; `mla_expand_pages` and `mla_prefill_expanded_attention`, the expanded form.
 """
 from __future__ import annotations
 
@@ -63,8 +56,7 @@ def _cpu_flags() -> str:
 
 
 def has_amx() -> bool:
-    """Whether this CPU's flags list AMX's bfloat16 tiles (whether the OS grants them is the kernels' check):
-    XLA's bfloat16 products run on them, and without them take slower paths (model/serving.py)."""
+    """Whether this CPU's flags list AMX's bfloat16 tiles (whether the OS grants them is the kernels' check)."""
     return "amx_bf16" in _cpu_flags().split()
 
 
@@ -138,10 +130,8 @@ DECODE_PATHS = {"auto": 0, "float32": 1, "amx": 2}  # kernels/paged_mla_decode.c
 
 def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array, lengths_B: jax.Array,
                      fresh_BA: jax.Array, scale: float, value_dim: int, path: str = "auto") -> jax.Array:
-    """Softmax-weighted values (B, N, value_dim) float32 of each query over rows [0, lengths_B[b]) of its pages
-    in pool_PBA (raw bits: uint16 for bfloat16, uint32 for float32) and its own latent fresh_BA[b]. `path`: the
-    kernel's best for this CPU and these widths ("auto"), or one named (for tests and benchmarks: an error
-    where it is unavailable). The AMX path rounds q to bfloat16."""
+    """Softmax-weighted values (B, N, value_dim) float32 of each query over rows [0, lengths_B[b]) of its pages (raw
+    bits) and its own latent fresh_BA[b]; `path`: "auto" or one named. The AMX path rounds q to bfloat16."""
     B, N, _ = q_BNA.shape
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, N, value_dim), jnp.float32))(
         q_BNA.astype(jnp.float32), pool_PBA, tables_BQ.astype(jnp.int32), lengths_B.astype(jnp.int32),
@@ -149,14 +139,12 @@ def paged_mla_decode(q_BNA: jax.Array, pool_PBA: jax.Array, tables_BQ: jax.Array
 
 
 def few_rows_max() -> int:
-    """The most rows few_row_product takes on this CPU: 32 with AMX, AVX-512 or AVX2 and FMA, else 4 (0 without
-    our kernels)."""
+    """The most rows few_row_product takes on this CPU (0 without our kernels)."""
     return int(_state.get("few_rows", 0)) if available("cpu")[0] else 0
 
 
 def cpu_kind() -> str:
-    """Which of the kernels' vector paths this CPU takes: "amx", "avx512" (AVX-512 without AMX), "avx2" (AVX2 and
-    FMA without AVX-512) or "portable" (GCC's portable vectors). Benchmarks report each kind apart."""
+    """Which of the kernels' vector paths this CPU takes: "amx", "avx512", "avx2" (with FMA) or "portable"."""
     flags = _cpu_flags().split()
     if "amx_bf16" in flags:
         return "amx"
@@ -181,8 +169,7 @@ def few_rows_supported(rows: int, in_dim: int) -> bool:
 
 def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
     """x_MI (1 to few_rows_max() rows, I a multiple of 32) @ w_OI.T for bfloat16 w_OI, reading each weight once:
-    x rounded to bfloat16, products summed in float32; (M, O) float32. With a leading batch, x (N, M, I) and
-    w (N, O, I): N such products in one call, (N, M, O)."""
+    (M, O) float32 of x rounded to bfloat16; a leading batch N gives N products in one call, (N, M, O)."""
     *lead, M, _ = x_MI.shape
     O = w_OI.shape[-2]
     return jax.ffi.ffi_call(FEW_ROWS_TARGET, jax.ShapeDtypeStruct((*lead, M, O), jnp.float32),
@@ -190,8 +177,7 @@ def few_row_product(x_MI: jax.Array, w_OI: jax.Array) -> jax.Array:
 
 
 def decode_amx_available() -> bool:
-    """Whether paged_mla_decode has its AMX path here (our kernels built with it, and AMX granted); it takes it
-    for bfloat16 pools whose widths are multiples of 32 and pages of whole 32-row steps."""
+    """Whether paged_mla_decode has its AMX path (bfloat16 pools, widths of 32, pages of whole 32-row steps)."""
     return available("cpu")[0] and bool(_state.get("decode_amx", False))
 
 
@@ -206,9 +192,8 @@ def prefill_attention_supports(latent_dim: int, value_dim: int) -> bool:
 
 def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax.Array, scale: float, view: int,
                           value_dim: int) -> jax.Array:
-    """Absorbed MLA attention of T query tokens' N heads (bfloat16 q_NTA) over rows [0, min(position + 1, view))
-    of a latent view (view_SA: raw bfloat16 bits): the softmax-weighted latent values (N, T, value_dim) float32,
-    normalised (kernels/mla_prefill_attention.cc)."""
+    """Absorbed attention of T queries' N heads (bfloat16 q_NTA) over rows [0, min(position + 1, view)) of a latent
+    view (raw bfloat16 bits): the normalised softmax-weighted latents (N, T, value_dim) float32."""
     N, T, _ = q_NTA.shape
     return jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct((N, T, value_dim), jnp.float32),
                             vmap_method="sequential")(
@@ -218,10 +203,9 @@ def mla_prefill_attention(q_NTA: jax.Array, view_SA: jax.Array, positions_T: jax
 
 def mla_expand_pages(pool_PBA: jax.Array, table_Q: jax.Array, end: jax.Array, w_uk_CNH: jax.Array,
                      w_uv_CNV: jax.Array, into_NSX: jax.Array) -> jax.Array:
-    """Each head's expanded keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV of the first `end` (traced, <= rows)
-    rows of one sequence's pages (raw bfloat16 bits, read in place through table_Q), laid out as
-    mla_prefill_expanded_attention reads them: (N, rows, H + R + V) raw bits in into_NSX's memory (aliased: donate
-    it). Rows past end's 64-row step are not written."""
+    """Each head's keys [c_kv @ W_UK | k_pe] and values c_kv @ W_UV of the first `end` (traced) rows of one sequence's
+    pages (raw bfloat16 bits, through table_Q), laid out for mla_prefill_expanded_attention: (N, rows, H + R + V) raw
+    bits in into_NSX's memory (aliased: donate it). Rows past end's 64-row step are not written."""
     C, N, H = w_uk_CNH.shape
     V = w_uv_CNV.shape[-1]
     A = H + pool_PBA.shape[-1] - C
@@ -248,9 +232,8 @@ def mla_prefill_expanded_attention(q_NTK: jax.Array, laid_NSX: jax.Array, positi
 
 def mla_prefill_paged_attention(q_NRA: jax.Array, pool_PBA: jax.Array, tables_MQ: jax.Array, positions_MT: jax.Array,
                                 scale: float, view: int, value_dim: int) -> jax.Array:
-    """`mla_prefill_attention` of M tiles of T tokens at once (R = M * T query rows per head), each over rows
-    [0, min(position + 1, view)) of its own sequence's pages (raw bfloat16 bits, pages of whole 64-row steps)
-    read in place through tables_MQ[m]: (N, R, value_dim) float32, bit for bit the gathered view's."""
+    """`mla_prefill_attention` of M tiles of T tokens (R = M * T rows per head), each over its own sequence's pages
+    in place (tables_MQ[m], whole 64-row steps): (N, R, value_dim) float32, bit for bit the gathered view's."""
     N, R, _ = q_NRA.shape
     return jax.ffi.ffi_call(PAGED_PREFILL_TARGET, jax.ShapeDtypeStruct((N, R, value_dim), jnp.float32))(
         q_NRA.astype(jnp.bfloat16), pool_PBA, tables_MQ.astype(jnp.int32), positions_MT.astype(jnp.int32),

@@ -1,19 +1,9 @@
 """Routed experts: token copies grouped by expert, and only the experts a token chose run on it.
 
-Axes: T tokens, K experts per token, M = T*K token copies (one per choice), E experts (the local
-ones under expert parallelism), D hidden, I expert intermediate.
-
-One path for every batch size: the T*K copies are sorted by expert (`dispatch`), each expert runs
-its SwiGLU on its own contiguous rows (`grouped_swiglu`), and the outputs are put back in token
-order and summed with the routing weights (`combine`). Work scales with T*K, not with T*E.
-
-`grouped_swiglu` has two implementations behind one signature:
-- on GPU/TPU, `jax.lax.ragged_dot` (a native grouped matmul there), its operands at the weights' dtype (the
-  float32 residual is cast at the expert boundary, so bfloat16 expert weights are never widened) and its sums
-  float32;
-- elsewhere, a loop over tiles of `block` sorted rows, each tile belonging to one expert. XLA:CPU
-  lowers `ragged_dot` to a masked dense matmul over every group (E times the work, measured in
-  bench/moe_bench.py), so on the CPU the tiles are what skips the unrouted experts.
+Axes: T tokens, K experts per token, M = T*K token copies, E experts (the local ones under expert parallelism),
+D hidden, I expert intermediate. The copies are sorted by expert (`dispatch`), each expert's SwiGLU runs on its own
+rows (`grouped_swiglu`: `jax.lax.ragged_dot` on GPU/TPU, elsewhere a loop over tiles of sorted rows, as XLA:CPU
+lowers `ragged_dot` to a dense matmul over every group), and the outputs go back to token order, weighted.
 """
 from __future__ import annotations
 
@@ -26,10 +16,8 @@ MAX_BLOCK = 128  # rows: the largest tile; bigger tiles waste more padding per e
 
 
 def dispatch(ids_TK: jax.Array, n_local: int, first: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Sorts token copies by expert; experts outside [first, first + n_local) go last.
-
-    Returns (order_M: copy index of each sorted row, sizes_E (n_local,) int32 rows per local expert,
-    local_TK: whether a choice is one of the local experts)."""
+    """Sorts token copies by expert, experts outside [first, first + n_local) last: (order_M: copy index of each
+    sorted row, sizes_E (n_local,) int32 rows per local expert, local_TK: whether a choice is local)."""
     local_TK = (ids_TK >= first) & (ids_TK < first + n_local)
     key_M = jnp.where(local_TK, ids_TK - first, n_local).reshape(-1)  # (M,)
     order_M = jnp.argsort(key_M, stable=True)
@@ -38,8 +26,7 @@ def dispatch(ids_TK: jax.Array, n_local: int, first: int = 0) -> tuple[jax.Array
 
 
 def block_rows(copies: int, n_experts: int) -> int:
-    """Tile height: the power of two at or above the mean rows per expert (measured best on XLA:CPU
-    for V2-Lite's 64 experts at 1, 16 and 512 tokens), between 1 and MAX_BLOCK."""
+    """Tile height: the power of two at or above the mean rows per expert, between 1 and MAX_BLOCK."""
     mean = -(-copies // n_experts)
     return min(MAX_BLOCK, 1 << max(0, (mean - 1).bit_length()))
 
@@ -65,7 +52,7 @@ def _tiles(x_MD, gate_EDI, up_EDI, down_EID, sizes_E, block: int) -> jax.Array:
         h_BI = jax.nn.silu(x_BD @ gate_EDI[e]) * (x_BD @ up_EDI[e])
         return jax.lax.dynamic_update_slice_in_dim(y_PD, (h_BI @ down_EID[e]).astype(y_PD.dtype), start, 0)
 
-    # A while loop over the tiles that exist: empty experts cost nothing.
+    # a while loop over the tiles that exist: empty experts cost nothing
     y_PD = jax.lax.fori_loop(0, tile_end_E[-1], tile, jnp.zeros((M + block, D), x_MD.dtype))
     return y_PD[:M]
 
@@ -79,8 +66,7 @@ def _ragged(x_MD, gate_EDI, up_EDI, down_EID, sizes_E) -> jax.Array:
 
 def grouped_swiglu(x_MD: jax.Array, gate_EDI: jax.Array, up_EDI: jax.Array, down_EID: jax.Array,
                    sizes_E: jax.Array, method: str = "auto") -> jax.Array:
-    """SwiGLU of expert e on rows [sum(sizes[:e]), sum(sizes[:e+1])) of x_MD; (M, D).
-    Rows past sum(sizes_E) are unspecified. method: "auto", "tiles" or "ragged_dot"."""
+    """SwiGLU of expert e on rows [sum(sizes[:e]), sum(sizes[:e+1])) of x_MD: (M, D), rows past them unspecified."""
     if method == "auto":
         method = expert_method(jax.default_backend())
     if method == "ragged_dot":
@@ -98,9 +84,8 @@ def expert_method(platform: str) -> str:
 def routed_experts(x_TD: jax.Array, weights_TK: jax.Array, ids_TK: jax.Array, gate_EDI: jax.Array,
                    up_EDI: jax.Array, down_EID: jax.Array, first: int | jax.Array = 0,
                    method: str = "auto") -> jax.Array:
-    """sum_k weights[t, k] * SwiGLU_{ids[t, k]}(x[t]) over the choices that fall in the local experts
-    [first, first + E); (T, D). Under expert parallelism each device passes its own `first` and the
-    partial sums are added across devices."""
+    """sum_k weights[t, k] * SwiGLU_{ids[t, k]}(x[t]) over the choices among the local experts [first, first + E);
+    (T, D). Under expert parallelism each device passes its own `first` and the partial sums are added."""
     T, K = ids_TK.shape
     order_M, sizes_E, local_TK = dispatch(ids_TK, gate_EDI.shape[0], first)
     x_MD = x_TD[order_M // K]  # (M, D) sorted copies
@@ -112,8 +97,7 @@ def routed_experts(x_TD: jax.Array, weights_TK: jax.Array, ids_TK: jax.Array, ga
 
 def all_experts(x_TD: jax.Array, weights_TK: jax.Array, ids_TK: jax.Array, gate_EDI: jax.Array,
                 up_EDI: jax.Array, down_EID: jax.Array) -> jax.Array:
-    """The reference: every expert on every token, unrouted ones weighted zero; (T, D).
-    E times the work of `routed_experts`; for tests and the benchmark only."""
+    """The reference: every expert on every token, unrouted ones weighted zero; (T, D). For tests and benchmarks."""
     E = gate_EDI.shape[0]
     weights_TE = (jax.nn.one_hot(ids_TK, E, dtype=jnp.float32) * weights_TK[..., None]).sum(1)
     h_TEI = (jax.nn.silu(jnp.einsum("td,edi->tei", x_TD, gate_EDI))

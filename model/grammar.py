@@ -1,18 +1,11 @@
 """Constrained decoding: a request's grammar as a token mask per step (llguidance), steered to close.
 
-A grammar comes as {"type": "json_object"}, {"type": "json_schema", "schema": {...}} or
-{"type": "lark", "grammar": "<llguidance Lark>"} (special tokens by id, e.g. `<[128806]>`, and `%json {...}`
-sub-rules). JSON is compact: no free whitespace, so random weights cannot spend the budget on spaces.
-
-Closing under a budget. A sequence's `need` is the length of a short completion from its state: the
-greedy closing path (forced tokens first, then the closers of `CLOSERS` in order, then the lowest allowed
-id). Invariant while the budget allows it: need <= remaining tokens. Where the budget is tight (need ==
-remaining) the mask is that path's next token only; a freely sampled token that would leave need >
-remaining - 1 is replaced by the path's next token (`GrammarState.take`). Only a budget below the start's
-need (the schema's smallest instance, as this path finds it) ends with the grammar incomplete. The path is
-recomputed after every token within CHECK_BAND tokens of the end, and less often before (it costs a few
-masks): one token that lengthens the needed completion by more than that margin could still end an answer
-incomplete.
+A grammar is {"type": "json_object"}, {"type": "json_schema", "schema": {...}} or {"type": "lark", "grammar": ...};
+JSON is compact (no free whitespace: random weights cannot spend the budget on spaces). A sequence's `need` is the
+length of the greedy closing path from its state (forced tokens, then `CLOSERS`, then the lowest allowed id).
+Invariant while the budget allows it: need <= remaining tokens. Where need == remaining the mask is the path's next
+token only, and a sampled token that would leave need > remaining - 1 is replaced by it (`GrammarState.take`). The
+path is recomputed every token within CHECK_BAND tokens of the end, less often before.
 """
 from __future__ import annotations
 
@@ -25,8 +18,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
-# The greedy closing path's choices, strings of one token each, most closing first: inside free text (a string:
-# most of the vocabulary allowed) a quote; elsewhere brackets, then the shortest values.
+# The closing path's one-token choices, most closing first: in free text (most ids allowed) a quote, else brackets.
 CLOSERS_IN_TEXT = ('"}}', '"}', '"]', '""}', '"')
 CLOSERS = ('}}', '}]', ']}', '}', ']', '""}', '""', '"}', '"]', '0}', '0', '[]', '{}', 'null', 'false', 'true', '"',
            ',', ':')
@@ -61,8 +53,7 @@ def grammar_source(spec: object) -> str:
 
 
 class TokenGrammar:
-    """The engine's grammar compiler: the model's tokenizer as llguidance sees it (built once, ~2 s) and
-    a matcher per request. Ids past the tokenizer (the model's vocabulary can be larger) are never allowed."""
+    """The model's tokenizer as llguidance sees it (built once, ~2 s) and a matcher per request."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_id: int):
         self.vocab_size, self.eos = vocab_size, eos_token_id
@@ -130,8 +121,7 @@ def default_tokenizer_json(model_dir: Path | None) -> Path:
 
 
 class GrammarState:
-    """One sequence's place in its grammar. Its tokens are the sequence's generated tokens, so a preempted
-    and resumed sequence (which keeps its tokens) keeps its state: nothing here depends on pages."""
+    """One sequence's place in its grammar, which follows its tokens (not pages): a preempted sequence keeps it."""
 
     def __init__(self, grammar: TokenGrammar, matcher: llguidance.LLMatcher):
         self.grammar, self.matcher = grammar, matcher
@@ -161,9 +151,8 @@ class GrammarState:
         return row[0].view(np.uint32)
 
     def take(self, token: int, remaining: int) -> int:
-        """Consumes the sampled token, or, if it would leave no room to close in remaining - 1 tokens,
-        the closing path's next token instead (the end, `eos`, where the tokens so far are complete);
-        returns the token taken. The end is not consumed: the caller stops the sequence on it."""
+        """Consumes the sampled token, or the closing path's next one (`eos` where complete) if it would leave no
+        room to close in remaining - 1 tokens; returns the token taken (the end unconsumed: the caller stops)."""
         tight = self.need is not None and remaining <= self.need + CHECK_BAND
         planned = self._path[0] if self._path else self.grammar.eos if self.need == 0 else None
         if tight and planned is not None and token != planned:

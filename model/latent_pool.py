@@ -1,9 +1,6 @@
-"""The paged latent pool: per layer one device array (num_pages, page_tokens, A) of latents at cache dtype.
-
-A page is exactly one cache block, so blocks load into pages and pages save as blocks with no repacking. Page 0 is
-the scratch page: padded tokens write there and padded table entries point at it; it is never owned. The arrays
-hold the latents' raw bits (uint16 for bfloat16): XLA:CPU widened a bfloat16 scatter to float32 over the WHOLE
-operand, which made every one-token write a copy of the pool.
+"""The paged latent pool: per layer one device array (num_pages, page_tokens, A) of latents' raw bits (uint16 for
+bfloat16: XLA:CPU widens a bfloat16 scatter over the WHOLE operand). A page is exactly one cache block. Page 0 is
+the scratch page: padded tokens write there and padded table entries point at it; it is never owned.
 """
 from __future__ import annotations
 
@@ -50,9 +47,7 @@ class LatentPool:
         return len(self.layers) * self.num_pages * self.page_tokens * self.latent_dim * self.dtype.itemsize
 
     def place(self, layer: int, pages: list[int], latents_PA: np.ndarray) -> jax.Array:
-        """Writes (len(pages) * page_tokens, A) latents into `pages` of one layer: a host-to-device copy and a
-        donated scatter (page lists padded to a power of two with the scratch page). Returns the device copy: once
-        it is ready, `latents_PA`'s memory may be reused."""
+        """Writes (len(pages) * page_tokens, A) latents into `pages` of one layer; returns their device copy."""
         n = len(pages)
         if latents_PA.shape != (n * self.page_tokens, self.latent_dim):
             raise ValueError(f"latents for {n} pages must be ({n * self.page_tokens}, {self.latent_dim}), "
@@ -71,8 +66,7 @@ class LatentPool:
         return on_device
 
     def read(self, pages: list[int]) -> list[PageRead]:
-        """The latents of `pages` in every layer as device copies of their bits (later steps may overwrite the
-        pages), in one dispatch; `host()` makes each (len(pages) * page_tokens, A) rows off the model thread."""
+        """The latents of `pages` in every layer as device copies, in one dispatch (`host()` fetches each)."""
         n = len(pages)
         pages_N = np.full(pow2(n), SCRATCH_PAGE, np.int32)
         pages_N[:n] = pages

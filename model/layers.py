@@ -18,8 +18,7 @@ INIT_STD = 0.02  # DeepSeek's initializer_range
 
 
 def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str) -> nnx.Param:
-    """N(0, 0.02) weights. The stream is seeded from the module's JAX key but drawn with numpy: eager
-    jax.random compiles a kernel per shape, which made initialising a preset take minutes."""
+    """N(0, 0.02) weights seeded from the module's JAX key, drawn with numpy (eager jax.random compiles per shape)."""
     key = rngs.params()
     if isinstance(key, jax.core.Tracer):  # under nnx.eval_shape: only shapes matter
         return nnx.Param(jax.random.normal(key, shape, jnp.float32).astype(dtype))
@@ -80,8 +79,7 @@ class MoE(nnx.Module):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.spec = RouterSpec(E, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.scoring_func,
                                cfg.topk_method, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        # The router runs in float32 whatever the weights' dtype (as upstream keeps it).
-        self.router = normal_param(rngs, (E, D), "float32")
+        self.router = normal_param(rngs, (E, D), "float32")  # float32 whatever the weights' dtype, as upstream
         self.e_score_correction_bias = nnx.Param(jnp.zeros((E,), jnp.float32))
         self.gate_proj = normal_param(rngs, (E, D, I), cfg.param_dtype)
         self.up_proj = normal_param(rngs, (E, D, I), cfg.param_dtype)
@@ -118,7 +116,6 @@ class MoE(nnx.Module):
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         weights_TK, ids_TK = self.route(x_TD)
-        # On a mesh with an "expert" axis each device runs only its own experts (model/sharding.py).
         routed_TD = expert_parallel(partial(routed_experts, method=self.method), x_TD, weights_TK, ids_TK,
                                     self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         if self.shared is not None:

@@ -1,13 +1,10 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3): the layer's projections and the forms of its attention math.
 
 Axes: T query tokens, S key positions, N heads, D hidden, C kv_lora_rank (c_kv dims), R qk_rope_head_dim (k_pe
-dims), A = C + R (cached latent dims), H qk_nope_head_dim, V v_head_dim.
-
-The cache holds, per layer and position, `c_kv` after the latent RMSNorm and `k_pe` after RoPE, at cache
-precision. How attention reads the cache (a paged pool, through block tables) is an attention backend's
-(model/attention/); this module gives the projections and the two forms' products:
-- absorbed: W_UK folded into the query, scores against whole latents, W_UV after attention;
-- expanded: keys and values materialised from c_kv, scores per head.
+dims), A = C + R (cached latent dims), H qk_nope_head_dim, V v_head_dim. The cache holds `c_kv` after the latent
+RMSNorm and `k_pe` after RoPE; how attention reads it is an attention backend's (model/attention/). The two forms:
+absorbed (W_UK folded into the query, scores against whole latents, W_UV after attention) and expanded (keys and
+values materialised from c_kv, scores per head).
 """
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ from model.rope import apply_rope, rope_tables, softmax_scale
 
 
 def prefer_absorbed(cfg: ModelConfig, T: int, S: int) -> bool:
-    """Absorbed costs ~T*S*(2C+R) + T*C*(H+V) multiply-adds per head; expanded (K and V materialised from c_kv
-    once for the T queries) ~S*C*(H+V) + T*S*(H+R+V). Short chunks over long prefixes (decode, a short suffix
-    after a hit) favour absorbed; long prefill chunks favour expanded."""
+    """Whether the absorbed form costs fewer multiply-adds per head, ~T*S*(2C+R) + T*C*(H+V), than the expanded
+    one, ~S*C*(H+V) + T*S*(H+R+V): short chunks over long prefixes favour absorbed, long chunks expanded."""
     C, R, H, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     return T * S * (2 * C + R) + T * C * (H + V) < S * C * (H + V) + T * S * (H + R + V)
 
@@ -51,20 +47,16 @@ class MLAttention(nnx.Module):
             self.q_proj = Linear(D, N * cfg.qk_head_dim, dtype, rngs)
         self.kv_a_proj = Linear(D, C + cfg.qk_rope_head_dim, dtype, rngs)
         self.kv_a_norm = RMSNorm(C, cfg.rms_norm_eps, dtype)
-        # kv_b split by what it produces: W_UK (C, N, H) -> k_nope, W_UV (C, N, V) -> values.
-        self.w_uk = normal_param(rngs, (C, N, cfg.qk_nope_head_dim), dtype)
-        self.w_uv = normal_param(rngs, (C, N, cfg.v_head_dim), dtype)
+        self.w_uk = normal_param(rngs, (C, N, cfg.qk_nope_head_dim), dtype)  # kv_b's part that makes k_nope
+        self.w_uv = normal_param(rngs, (C, N, cfg.v_head_dim), dtype)  # kv_b's part that makes the values
         self.o_proj = Linear(N * cfg.v_head_dim, D, dtype, rngs)
         inv_freq, self.rope_scaling = rope_tables(cfg)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: part of the graph definition
         self.scale = softmax_scale(cfg)
-        # Prefill attention's products take float32 inputs (bfloat16 ones widened) where the served model sets
-        # it: a CPU without AMX, whose bfloat16 products are slow (model/serving.py).
-        self.wide = False
+        self.wide = False  # prefill attention's products widened to float32 (model/serving.py)
 
     def products_dtype(self):
-        """The input dtype of prefill attention's products and of expanded keys and values: the weights', or
-        float32 with `wide`."""
+        """The input dtype of prefill attention's products: the weights', or float32 with `wide`."""
         return jnp.float32 if self.wide else self.w_uk.dtype
 
     def _rope(self, x_TNR: jax.Array, positions_T: jax.Array) -> jax.Array:
@@ -89,8 +81,7 @@ class MLAttention(nnx.Module):
         return q_TNK[..., : self.nope_dim].transpose(1, 0, 2), q_pe_TNR.transpose(1, 0, 2)
 
     def expand(self, kv_SA: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-        """Keys (N, S, H + R) = [K_nope | k_pe shared by every head] and values (N, S, V) of latent rows (cache
-        dtype or its raw bits), at `dtype`: whole keys make a chunk's scores one product."""
+        """Keys (N, S, H + R) = [K_nope | k_pe] and values (N, S, V) of latent rows (or their raw bits), at `dtype`."""
         kv_SA = as_cache_dtype(kv_SA, self.cache_dtype).astype(dtype)
         c_SC, kpe_SR = kv_SA[:, : self.kv_lora_rank], kv_SA[:, self.kv_lora_rank:]
         k_nope_NSH = jnp.einsum("sc,cnh->nsh", c_SC, self.w_uk[...], preferred_element_type=jnp.float32)
@@ -99,19 +90,15 @@ class MLAttention(nnx.Module):
         return jnp.concatenate([k_nope_NSH.astype(dtype), kpe_NSR], axis=-1), v_NSV.astype(dtype)
 
     def absorbed_queries(self, q_nope_NTH: jax.Array, q_pe_NTR: jax.Array) -> jax.Array:
-        """(N, T, A) = [q_nope @ W_UK | q_pe] at the inputs' dtype: queries against whole latents, so the scores
-        are one contraction over A (FlashMLA's layout). Two products, over c_kv and k_pe, summed, measured 5x
-        slower on XLA:CPU (the 64-wide one runs at a fifth of the rate)."""
+        """(N, T, A) = [q_nope @ W_UK | q_pe] at the inputs' dtype: scores as one contraction over A (FlashMLA's)."""
         q_lat_NTC = jnp.einsum("nth,cnh->ntc", q_nope_NTH, self.w_uk[...], preferred_element_type=jnp.float32)
         return jnp.concatenate([q_lat_NTC.astype(q_nope_NTH.dtype), q_pe_NTR], axis=-1)
 
     def latent_values(self, out_NTC: jax.Array) -> jax.Array:
-        """(N, T, V): the absorbed form's attention-weighted latents through W_UV (at their dtype, summed in
-        float32)."""
+        """(N, T, V): the absorbed form's attention-weighted latents through W_UV, summed in float32."""
         return jnp.einsum("ntc,cnv->ntv", out_NTC, self.w_uv[...], preferred_element_type=jnp.float32)
 
     def output(self, out_NTV: jax.Array) -> jax.Array:
-        """(T, D): the heads' values through the output projection. Head-major products, then one transpose of
-        the (small) result: a dot that writes (T, N, .) directly measured 2.4x slower on XLA:CPU."""
+        """(T, D): the heads' values through o_proj; head-major products, then one transpose of the (small) result."""
         T = out_NTV.shape[1]
         return self.o_proj(out_NTV.astype(self.w_uk.dtype).transpose(1, 0, 2).reshape(T, self.num_heads * self.v_dim))

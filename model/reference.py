@@ -1,8 +1,5 @@
-"""The reference forward: one prompt, no cache, no pages. The whole prompt goes through in one jitted pass; each
-layer's latents are rounded to cache precision and read back by absorbed attention over all of them at once.
-Tests hold the serving path (model/runner.py and its attention backends) to it, and it to transformers'; it
-serves no request.
-"""
+"""The reference forward: one prompt, no cache, no pages, one jitted pass; each layer's latents are rounded to
+cache precision and read back by absorbed attention. Tests hold the serving path to it, and it to transformers'."""
 from __future__ import annotations
 
 import jax
@@ -53,9 +50,7 @@ def prompt_logits(model: nnx.Module, tokens_T, mesh: Mesh | None = None) -> np.n
 
 
 def generate(model: nnx.Module, prompt, params: SamplingParams, mesh: Mesh | None = None) -> list[int]:
-    """The tokens after `prompt` (a stop token included, then the end), each from a whole pass over a buffer of
-    one length (causal masking hides the padding past the current position), sampled as the engine samples: the
-    same seeded stream (`request_seed`, one step per token)."""
+    """The tokens after `prompt` (a stop token included), each from a whole pass, sampled as the engine samples."""
     tokens = np.zeros(len(prompt) + params.max_tokens, np.int64)
     tokens[:len(prompt)] = prompt
     seed, out = request_seed(params), []

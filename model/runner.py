@@ -1,15 +1,11 @@
 """The engine's model: decode batches and ragged prefill passes over the paged latent pool, attention by a backend.
 
-- decode: a token of each of B sequences, in groups of like layers (one jitted call a group; the first embeds, the
-  last applies the head). The new latents are written into the pool after the step: a scatter into a pool that
-  the same computation also reads made XLA:CPU copy the whole pool.
-- prefill: a pass computes segments (tokens [start, start + n) of one sequence each) layer-major: a layer's
-  latents are written into the pages first and read back by attention, so a prefix loaded from disk, kept in
-  memory or computed a step earlier look the same. One segment goes in chunks (`prefill_chunk`); several short
-  ones as tiles of a page, each over its own sequence's pages. Per layer the backend may compute a context once
-  (expanded keys and values), then each chunk attends and runs the feed-forward.
-Shapes never follow a prompt's length: decode batches are powers of two (one size in batch-invariant mode),
-decode tables one width (attention's work follows each sequence's position), prefill views powers of two.
+- decode: a token of each of B sequences, in groups of like layers (one jitted call a group); the new latents are
+  written after the step (XLA:CPU copies a pool that one computation both scatters into and reads).
+- prefill: a pass computes segments (tokens [start, start + n) of one sequence each) layer-major, a layer's latents
+  written into the pages first and read back by attention, so a prefix from disk, memory or a step earlier looks
+  the same. One segment goes in chunks; several short ones as tiles of a page.
+Shapes never follow a prompt's length: decode batches and prefill views are powers of two, decode tables one width.
 """
 from __future__ import annotations
 
@@ -60,8 +56,7 @@ def view_bucket(n: int, page: int, steps: int = 1) -> int:
 
 def prefill_chunk(cfg: ModelConfig, total: int, chunk_tokens: int, budget_bytes: int, key_block: int) -> int:
     """Largest power-of-two chunk (<= chunk_tokens) of a prompt ending at `total` whose float32 attention work
-    space fits budget_bytes: one key block's scores (N, T, block) and the running (N, T, C or V) output, so the
-    chunk does not shrink with the prompt (one-pass attention, key_block 0, holds all (N, T, view) scores)."""
+    space fits budget_bytes: one key block's scores (N, T, block) and the running (N, T, C or V) output."""
     view = view_bucket(total, 64)
     block = key_block_for(view, key_block)
     per_token = cfg.num_heads * block * 4 * 3  # scores, exp, probs
@@ -72,8 +67,7 @@ def prefill_chunk(cfg: ModelConfig, total: int, chunk_tokens: int, budget_bytes:
 
 
 class SplitModule:
-    """A module split once for jitted calls (graph definition, state as a flat list of arrays): passed to jit as a
-    static argument and a pytree, a layer's graph definition was hashed and its State flattened every call."""
+    """A module split once (graph definition, flat state leaves), so no jitted call re-hashes or re-flattens it."""
 
     def __init__(self, module: nnx.Module):
         self.graphdef, state = nnx.split(module)
@@ -115,8 +109,7 @@ def _decode_layer(backend, layer, absorbed, pool_PBA, x_BD, positions_B, tables_
 
 @lru_cache(maxsize=64)
 def _decode_group(layer_defs: tuple, head_def, weights_def, backend: AttentionBackend, first: bool, last: bool):
-    """A group's decode call, shared by groups of one structure: (x_BD, or logits (B, V) float32 for the last,
-    latents (G, B, A))."""
+    """A group's decode call, shared by like groups: (x_BD, or the last group's logits (B, V); latents (G, B, A))."""
     def step(weights, pools, x, positions_B, tables_BQ):
         embed_VD, states, absorbeds, head_state = jax.tree.unflatten(weights_def, weights)
         x_BD = jnp.take(embed_VD, x, axis=0) if first else x
@@ -192,8 +185,7 @@ class DecodeRow(NamedTuple):
 
 
 class _Chunk(NamedTuple):
-    """M tiles of T query rows (R = M * T): embedded (R, D), positions (M, T) and (R,), pool slots (R,), tables
-    (M, Q), each on the device once (an eager reshape a layer was an XLA dispatch a layer)."""
+    """M tiles of T query rows (R = M * T) on device: x (R, D), positions (M, T), (R,), slots (R,), tables (M, Q)."""
     x_RD: jax.Array
     positions_MT: jax.Array
     positions_R: jax.Array
@@ -202,12 +194,8 @@ class _Chunk(NamedTuple):
 
 
 class PrefillPass:
-    """A prefill pass under way, a unit at a time (a layer's context, or a chunk of a layer): `step()` dispatches
-    the next unit and returns its output (to block on, to time it), `layer` is the next unit's layer; once `units`
-    steps are done, `result` holds the logits (K, V) at each segment's last token, K a power of two (rows past the
-    segments repeat the last), or without logits the last chunk's output. Between units the caller may dispatch
-    other work, such as a decode step; a pass closed part-way has written its rows into some layers only: its
-    sequences must compute them again."""
+    """A prefill pass under way, a unit (a layer's context or chunk) a `step()`; after `units` steps `result` holds the
+    logits (K, V) at each segment's last token (K a power of two), or the last chunk's output; closed early, redo it."""
 
     def __init__(self, units: int, per_layer: int, run: Generator):
         self.units, self.per_layer, self.done, self.result = units, per_layer, 0, None
@@ -253,8 +241,7 @@ class Runner:
         self._attend = [layer.jit(_attend, static_argnums=(7, 8)) for layer in layers]
         head = SplitModule(model.head)
         self._head_rows = head.jit(_head_rows)
-        # decode: tables of one width, whole key blocks of DECODE_BLOCK_ROWS, up to the longest context the pool
-        # and the model allow
+        # decode tables: one width, whole key blocks, up to the longest context the pool and the model allow
         step = max(1, DECODE_BLOCK_ROWS // self.page)
         self.table_pages = -(-min(pool.num_pages - 1, -(-cfg.max_position_embeddings // self.page)) // step) * step
         absorbed = [backend.absorbed(layer.attn) for layer in model.layers]
@@ -293,11 +280,8 @@ class Runner:
         table[:n] = pages[:n]
         return table
 
-    # -- decode --
-
     def decode_shape(self, positions: list[int]) -> tuple[int, int]:
-        """(padded batch, rows each sequence's attention costs) of a decode dispatch: the longest position's
-        (bucketed) where the backend reads blocks up to it for every row, else the table's width."""
+        """(padded batch, rows each sequence's attention costs) of a decode dispatch."""
         batch = max(self.fixed_batch, pow2(len(positions)))
         if not self.backend.decode_by_longest:
             return batch, self.table_pages * self.page
@@ -320,16 +304,12 @@ class Runner:
         self.pool.layers = _write_latents(self.pool.layers, slots, latents)
         return x
 
-    # -- prefill --
-
     def batchable(self, n: int, end: int) -> bool:
-        """Whether a segment of n tokens ending at `end` goes in a pass of several: short (alone, a pass's fixed
-        cost is paid for a few rows), with a view short enough to be read for each tile."""
+        """Whether an n-token segment ending at `end` goes in a pass of several: short, and a short enough view."""
         return n <= MAX_SEGMENT_TILES * self.page and view_bucket(end, self.page) <= MAX_TILE_VIEW
 
     def chunk_sizes(self, n: int, end: int) -> list[int]:
-        """Rows of each chunk of an n-token segment ending at `end`: `prefill_chunk`'s size, the last one cut to the
-        rest in whole pages (a power of two up to a page): padded to a power of two, 300 tokens cost what 512 do."""
+        """Rows of each chunk of an n-token segment ending at `end`: `prefill_chunk`'s, the last the rest in pages."""
         if n == 1:
             return [1]
         T = min(prefill_chunk(self.cfg, end, self.chunk_tokens, self.attention_budget_bytes, self.backend.key_block),
@@ -343,8 +323,7 @@ class Runner:
         return self.backend.prefill_form(n, view_bucket(end, self.page), self.form)
 
     def prefill(self, segments: list[Segment], want_logits: bool = True) -> PrefillPass:
-        """A pass computing these segments (their pages hold positions [0, start) already), writing their latents
-        into the pages: one segment in chunks (a tile each); several as tiles of a page (MAX_PASS_TILES at most)."""
+        """A pass computing these segments (pages hold [0, start) already): one in chunks, several as a page's tiles."""
         B, ends = self.page, [s.start + len(s.tokens) for s in segments]
         for s, end in zip(segments, ends):
             if len(s.pages) * B < end:
@@ -383,9 +362,7 @@ class Runner:
                       jnp.asarray(positions_MT.reshape(-1)), jnp.asarray(slots_MT.reshape(-1)), jnp.asarray(tables_MQ))
 
     def warm_up(self, pages: list[int], n: int, segment_sizes: list[int], batches: list[int]) -> float:
-        """Compiles what a serving engine meets first, on scratch `pages`: a prompt's prefill and first token, the
-        segment sizes a step takes, every decode batch with its sampler (a first compile stalls every stream).
-        Returns the seconds an n-token prefill took once compiled."""
+        """Compiles, on scratch `pages`, the first shapes a server meets; returns an n-token prefill's seconds."""
         greedy = SamplingRow(SamplingParams(), 0, 0)
         sample_batch(self.prefill([Segment(np.arange(1, 17), 0, pages)]).run(), [greedy])
         for size in [n, *(size for size in segment_sizes if size < n)]:

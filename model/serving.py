@@ -1,23 +1,11 @@
 """The model as the engine serves it: its projections at a serving dtype, stored (out, in).
 
-A checkpoint's weights keep their own dtype for conversion, parity tests and the reference forward
-(model/reference.py); the engine serves a copy whose every `Linear` becomes a `ServingLinear`:
-- weights at the serving dtype (bfloat16 by default, as vLLM's `--dtype auto` serves a float32
-  checkpoint at half precision), stored (out, in) as PyTorch and GPU kernels keep them;
-- inputs cast to that dtype, products accumulated and returned in float32, so the residual stream,
-  norms, softmax and sampling stay float32;
-- attention's absorbed weights (W_UK, W_UV) at that dtype too, so attention (model/attention/) takes its
-  inputs at it and accumulates in float32.
-
-Why (XLA:CPU, BENCHMARKS.md): bfloat16 products with an (out, in) operand run on an AMX CPU's matrix units, 3-4x
-float32's rate; a bfloat16 product of ONE row takes a slow path on XLA:CPU, so a single row is computed as two
-(the copy costs nothing next to the weights it reads). On a CPU without AMX, XLA's bfloat16 products of many rows
-ran slower than float32 (42-46 against 61-71 GFLOP/s on two cores), so there the served model widens the operands
-of products of `WIDE_ROWS` or more rows, and prefill attention's, to float32 inside the graph: the same
-bfloat16-rounded inputs, exact products, so only the order of the sums differs. Few rows stay bfloat16 (widening
-the weights costs a pass over them that a few rows do not repay: the crossover was about 96 rows).
-
-`--dtype float32` serves the checkpoint's own weights unchanged: the reference forward's numerics.
+The checkpoint keeps its own dtype (conversion, parity tests, model/reference.py); the engine serves a copy whose
+`Linear`s are `ServingLinear`s: weights (and W_UK, W_UV) at the serving dtype, inputs cast to it, products summed
+in float32, so the residual stream, norms, softmax and sampling stay float32. On XLA:CPU a bfloat16 product of ONE
+row takes a slow path, so one row is computed as two; without AMX, bfloat16 products of many rows are slower than
+float32's, so products of `WIDE_ROWS` or more rows (and prefill attention's) widen their bfloat16-rounded operands
+to float32. `--dtype float32` serves the checkpoint unchanged.
 """
 from __future__ import annotations
 
@@ -38,13 +26,8 @@ WIDE_ROWS = 128  # on a CPU without AMX, bfloat16 products of at least this many
 
 
 class ServingLinear(nnx.Module):
-    """y = x @ W.T with W (out, in) at the serving dtype; float32 accumulation and output.
-
-    With `few_rows` (bfloat16 weights on a CPU with our kernels and AVX-512, AMX, or AVX2 and FMA), a product of
-    up to 32 rows is our few-row kernel (model/cpu_kernels.py), which streams the weights once, where XLA's
-    product of so few rows ran well below memory speed. With `wide_rows`, a product of at least that
-    many rows takes x rounded to the weights' dtype and both operands widened to float32 (a CPU whose
-    bfloat16 products are slow: the module's note)."""
+    """y = x @ W.T, W (out, in) at the serving dtype, float32 out; `few_rows`: few-row products take our kernel
+    (model/cpu_kernels.py); `wide_rows`: products of at least that many rows widen to float32 (the module's note)."""
 
     def __init__(self, weight_OI: jax.Array, few_rows: bool = False, wide_rows: int = 0):
         self.weight = nnx.Param(weight_OI)
@@ -67,11 +50,8 @@ class ServingLinear(nnx.Module):
 
 def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True, wide: bool = True,
                   platform: str | None = None) -> DeepseekModel:
-    """The model the engine runs at `dtype` on `platform` (None: where the model's arrays are). float32 over a
-    float32 checkpoint is the model itself; otherwise a new module tree that shares every array but the
-    projections, which it re-lays (the caller drops the original to free the old projections). Products of a few
-    rows take the CPU's few-row kernel where it serves (`cpu_kernels.few_rows_serve`), unless `few_row_kernel` is
-    False (benchmarks compare both)."""
+    """The model the engine runs at `dtype` on `platform` (None: where its arrays are): itself for float32 over
+    float32, else a module tree sharing every array but the re-laid projections (drop the original to free them)."""
     check_serving_dtype(dtype, "serving dtype")
     if dtype == "float32" and all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model))):
         return model

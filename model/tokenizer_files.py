@@ -1,6 +1,5 @@
-"""A checkpoint's tokenizer files (V2's 102K ids or V3's 129K, special tokens, chat template), copied by the
-converter next to config.json; the gateway and the engine's grammar masks (model/grammar.py) use them, and
-fall back to the packaged DeepSeek-V3 tokenizer when there are none."""
+"""A checkpoint's tokenizer files, copied by the converter next to config.json for the gateway and the engine's
+grammar masks (model/grammar.py), which fall back to the packaged DeepSeek-V3 tokenizer without them."""
 from __future__ import annotations
 
 import shutil

@@ -1,8 +1,5 @@
-"""Weights on disk: deterministic random init per preset, orbax save/restore, digest and fingerprint.
-
-A model directory holds `config.json` (ModelConfig), `meta.json` (weights digest, fingerprint, parameter
-shapes) and `params/` (an orbax checkpoint of the parameter tree).
-"""
+"""Weights on disk: deterministic random init per preset, orbax save/restore, digest and fingerprint. A model dir
+holds `config.json`, `meta.json` (weights digest, fingerprint, parameter shapes) and `params/` (orbax)."""
 from __future__ import annotations
 
 import hashlib
@@ -57,8 +54,7 @@ def combine_digest(lines: dict[str, bytes]) -> str:
 
 
 def weights_digest(model: DeepseekModel) -> str:
-    """sha256 over every parameter's `tensor_line` in name order (so the streaming converter may hash
-    tensors in whatever order it writes them)."""
+    """sha256 over every parameter's `tensor_line` in name order (a converter may hash them in any order)."""
     lines = {}
     for name, value in flat_params(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items():
         array = np.ascontiguousarray(np.asarray(value))
@@ -97,8 +93,7 @@ def write_identity(out: Path, cfg: ModelConfig, digest: str, shapes: dict[str, l
 
 
 def load_model(path: str | os.PathLike, mesh: Mesh | None = None, **overrides) -> LoadedModel:
-    """Restores a saved model; a missing or misshapen tensor fails naming the tensor. With a mesh, each
-    device reads only its own slice of each parameter (layout: model/sharding.py)."""
+    """Restores a saved model, checking every tensor's shape; with a mesh, each device reads only its own slices."""
     path = Path(path).absolute()
     for needed in ("config.json", "meta.json", "params"):
         if not (path / needed).exists():
@@ -143,8 +138,7 @@ def read_identity(path: str | os.PathLike, cache_dtype: str | None = None) -> tu
 
 
 def init_on_device(cfg: ModelConfig, seed: int = 0) -> DeepseekModel:
-    """Random weights drawn with jax.random where they live (no host copy, fast on an accelerator):
-    N(0, 0.02) matrices, unit norms, zero router bias. Not the bytes of `init_model`; for benchmarks."""
+    """Random N(0, 0.02) weights drawn on the device (not `init_model`'s bytes), unit norms; for benchmarks."""
     abstract = nnx.eval_shape(lambda: DeepseekModel(cfg, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
     tree = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
