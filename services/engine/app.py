@@ -34,8 +34,7 @@ from services.engine.model_source import open_model
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # a 128K-token prompt is ~1 MB of JSON
-# Below this the sampler's float32 logits / temperature overflow and it returns token 0; sampling
-# as the temperature goes to 0 is greedy. (Finite for |logits| < 3e8.)
+# Below this, float32 logits / temperature overflow (the sampler returns token 0); sampling near 0 is greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-30
 
 
@@ -82,8 +81,7 @@ def _integral(value):
 
 
 def _int_list(body: dict, name: str, required: bool = False) -> list[int]:
-    """A list of ints in [0, 2^31) (token ids): anything else (floats such as 1e400 or 1.5, bools,
-    huge ints) is a 400 naming the field, before numpy could overflow on it."""
+    """A list of token ids in [0, 2^31); anything else (1e400, 1.5, bools, huge ints) is a BadJob naming the field."""
     values = [_integral(v) for v in _field(body, name, list, [], required)]
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT31 for t in values):
         raise BadJob(f"'{name}' must be a list of integer token ids in [0, 2^31)", name)
@@ -155,8 +153,7 @@ def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int
 
 
 def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:
-    """The gateway's lookup result. Block hashes are recomputed here from the tokens: the store checks
-    stored data against these, so a stale or wrong location can only ever be a miss."""
+    """The gateway's lookup result, its block hashes recomputed from the tokens: a stale or wrong location is a miss."""
     if not raw:
         return miss()
     hit_blocks = _integral(raw.get("blocks")) if isinstance(raw, dict) else None
@@ -275,8 +272,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         await response.write(json.dumps(admitted).encode() + b"\n")
         while True:
-            # While the next event is slow to come (a queue, a long prefill), say so every heartbeat_s:
-            # the caller's read timeout then measures silence, not the prompt's length.
+            # a progress event every heartbeat_s while the next is slow to come: a caller's timeout measures silence
             pending = asyncio.ensure_future(events.__anext__())
             while not (await asyncio.wait({pending}, timeout=state.cfg.heartbeat_s))[0]:
                 beat = {"type": "progress", "phase": "working", "elapsed_s": round(time.monotonic() - begin, 1)}

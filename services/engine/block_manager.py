@@ -1,15 +1,12 @@
 """The block manager: who owns each page of the latent pool, and the memory tier of finished sequences' blocks.
 
-A page holds one cache block (block_tokens positions, every layer). Each page other than the scratch
-page is in exactly one state:
+A page holds one cache block (block_tokens positions, every layer); each page but the scratch page is either
 - free: on the free list, content meaningless;
-- owned: referenced by one or more sequences' block tables (ref > 0); a full block whose latents are
-  complete may also be published under its chained block hash, so another sequence with the same
-  prefix shares it instead of loading or computing it;
+- owned: referenced by sequences' block tables (ref > 0); a full block whose latents are complete may also be
+  published under its chained block hash, so a sequence with the same prefix shares it;
 - hot: published, no longer referenced (ref == 0), kept in LRU order until a new page is needed.
-The hashes are the disk index's (salted per tenant, chained over the whole prefix), so a hash names
-the same latents in memory and on disk, and tenants never share pages. Every page a sequence gets or gives back
-goes through here: `grant` at admission, `extend` as it decodes, `free` when it ends or is preempted.
+The hashes are the disk index's (salted per tenant): a hash names the same latents in memory and on disk, and
+tenants never share pages. A sequence's pages come and go only through `grant`, `extend` and `free`.
 """
 from __future__ import annotations
 
@@ -34,8 +31,6 @@ class BlockManager:
         self._hot: OrderedDict[int, None] = OrderedDict()  # ref-0 published pages, least recently used first
         self.evictions = 0
 
-    # -- capacity --
-
     @property
     def usable(self) -> int:
         return self.num_pages - 1
@@ -51,8 +46,6 @@ class BlockManager:
     @property
     def owned_pages(self) -> int:
         return self.usable - self.available()
-
-    # -- the memory tier --
 
     def match(self, hashes: list[bytes]) -> list[int]:
         """Pages of the longest leading run of `hashes` held in memory (no reference taken)."""
@@ -80,8 +73,6 @@ class BlockManager:
     def held_hashes(self) -> list[bytes]:
         return list(self._page_of)
 
-    # -- ownership --
-
     def acquire(self, pages: list[int]) -> None:
         """Takes a reference on published pages (a memory hit)."""
         for page in pages:
@@ -108,9 +99,7 @@ class BlockManager:
         return pages
 
     def release(self, pages: list[int]) -> None:
-        """Drops a reference on each page; unreferenced published pages become the most recently used
-        hot pages, a chain's head most recent of all (so its tail is evicted before its head: losing an
-        early block would end every later block's hit); the rest become free."""
+        """Drops a reference on each page: unreferenced published ones turn hot (a chain's head newest), others free."""
         for page in reversed(pages):
             if self._ref[page] <= 0:
                 raise ValueError(f"page {page} released more often than taken")
@@ -130,15 +119,12 @@ class BlockManager:
         self._hot.clear()
         return dropped
 
-    # -- a sequence's pages --
-
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
     def grant(self, seq: Sequence, usable_blocks: int) -> list[int] | None:
-        """Pages for a sequence being admitted: the published pages of the longest run of its first `usable_blocks`
-        blocks held here (a memory hit, references taken) and new ones for the rest of its target and its next
-        token. Returns the memory hit's pages, or None (nothing taken) where the pool cannot hold it now."""
+        """Pages for an admitted sequence: its memory hit among its first `usable_blocks` blocks (references taken), new
+        ones for the rest of its target and its next token; None (nothing taken) where the pool cannot hold it now."""
         memory = self.match(seq.hashes[:usable_blocks])
         new = self.pages_for(seq.target + 1) - len(memory)
         if new > self.available() - self.hot_in(memory):

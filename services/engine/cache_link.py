@@ -1,6 +1,5 @@
-"""The engine's link to the latent cache: a BlockStore over the mounted volumes and the Redis index, or the
-kvstore service's client. The cache is an accelerator, not a dependency: while Redis or a volume is
-unreachable at start the engine serves misses and keeps trying to connect in the background."""
+"""The engine's link to the latent cache (a BlockStore over mounted volumes and Redis, or the kvstore service's
+client): an accelerator, not a dependency; while it is unreachable the engine serves misses and keeps retrying."""
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +30,7 @@ class CacheLink:
         if self.cfg.kvstore_url:
             from services.kvstore.client import KvstoreClient  # the HTTP client only where the cache is remote
 
-            # Remote: no volumes here; every read and save goes through the kvstore service, whose
-            # client degrades to misses by itself while the service is down.
+            # remote: the kvstore service's client degrades to misses by itself while the service is down
             self.store = KvstoreClient(self.cfg.kvstore_url, self.geometry, self.fingerprint,
                                        read_ahead=self.cfg.read_ahead, service_token=self.cfg.service_token)
             return

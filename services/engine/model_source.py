@@ -12,8 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def ensure_preset(name: str, models_dir: str | Path) -> Path:
-    """The directory of preset `name` under models_dir, initialising its weights (with a progress bar)
-    the first time. A file lock keeps replicas that start together from writing it twice."""
+    """The directory of preset `name`, initialised on first use under a file lock (replicas start together)."""
     target = Path(models_dir) / name
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{name}.lock", "w") as lock:

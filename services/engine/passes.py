@@ -1,8 +1,5 @@
-"""Prefill passes in flight, a unit at a time between the steps' decode dispatches: a pass runs to its end in one
-step, a sliced one about a budget's worth of units a step, and a loading sequence's one each layer's units once that
-layer is in its pages (tiers.py), so its prefill overlaps its load. A pass closed part-way has written some
-layers only: its sequences compute the segment again.
-"""
+"""Prefill passes in flight, a unit at a time between decode dispatches: a pass runs whole in one step, a sliced one
+a budget's worth of units a step, a loading sequence's one each layer once that layer is in its pages (tiers.py)."""
 from __future__ import annotations
 
 import time
@@ -18,8 +15,7 @@ from services.engine.sequence import Sequence
 
 @dataclass(slots=True, eq=False)
 class Flight:
-    """A pass under way: its segments (sequence, tokens from its `computed`), the sequences it samples (its first
-    rows), the runner's pass, whether it is sliced, its units' seconds so far, since when it waits for a layer."""
+    """A pass under way: (sequence, tokens from its `computed`) segments, and the sequences its first rows sample."""
     group: list[tuple[Sequence, int]]
     wanted: list[Sequence]
     run: PrefillPass
@@ -42,8 +38,7 @@ class Passes:
         return any(flight.sliced for flight in self.flights)
 
     def start(self, group: list[tuple[Sequence, int]], sliced: bool) -> Flight:
-        # Sequences whose prompt this pass completes come first: their logits are the pass's first rows.
-        group.sort(key=lambda item: not completes(*item))
+        group.sort(key=lambda item: not completes(*item))  # those it completes first: theirs are the first logits
         wanted = [seq for seq, n in group if completes(seq, n)]
         segments = [Segment(np.asarray(seq.tokens[seq.computed:seq.computed + n]), seq.computed, seq.pages)
                     for seq, n in group]
@@ -52,10 +47,8 @@ class Passes:
         return flight
 
     def advance(self, flight: Flight, budget_s: float | None) -> bool:
-        """Runs the pass's next units while their layers are placed: all of them without a budget; with one, each
-        waited for, until the next unit's expected time would end the slice farther past `budget_s` than stopping
-        now falls short of it (at least one unit). Timed: the cost model learns a pass's time (its slices' sum).
-        Returns whether a unit was dispatched; a finished pass leaves `flights` (its result is `run.result`)."""
+        """Runs the pass's next units while their layers are placed: all without a budget; with one, until the next unit
+        would overshoot `budget_s` (at least one). Returns whether one ran; a finished pass leaves `flights`."""
         run, begin, dispatched, out = flight.run, time.perf_counter(), 0, None
         while run.done < run.units and self._ready(flight):
             out = run.step()
@@ -78,8 +71,7 @@ class Passes:
         return True
 
     def _ready(self, flight: Flight) -> bool:
-        """Whether the next unit's layer is in the pages of every sequence of the pass that is loading; the time a
-        pass waits for one counts as its sequences' stall."""
+        """Whether the next unit's layer is in every loading sequence's pages; a wait counts as their stall."""
         layer, now = flight.run.layer, time.perf_counter()
         ready = all(seq.load is None or seq.load.placed > layer for seq, _ in flight.group)
         if not ready and flight.waiting_since is None:
@@ -91,8 +83,7 @@ class Passes:
         return ready
 
     def abort(self, seq: Sequence) -> None:
-        """Closes a pass in flight that `seq` is in (cancelled, finished, preempted, or its load cut: no later unit
-        may write into its pages). Its sequences keep their `computed`: they compute the segment again."""
+        """Closes the pass in flight that `seq` is in; its sequences compute the segment again."""
         for flight in [f for f in self.flights if any(s is seq for s, _ in f.group)]:
             flight.run.close()
             self.flights.remove(flight)

@@ -1,15 +1,10 @@
 """Scheduling policy: who gets pages, and the whole plan of each model step.
 
 A waiting queue (FCFS; preempted sequences go back to its front) and a running list (in admission order). Each
-step's `Plan` is final: the decode dispatches (every running sequence past its prefill, with the page its token
-goes to; where the pool has none the youngest running sequence is preempted), the prefill passes, a sliced pass,
-and who was preempted. The engine executes it and samples; pages move only through the block manager.
-
-The prefill budget is time (step_cost.py): segments whose predicted time is about `prefill_step_ratio` times the
-decode step's, so a long prefill never stops decoding (few tokens at long contexts, many at short ones); a segment
-that cannot fit a step goes as a sliced pass, a few units a step (`_timed_prefill`). Without costs yet, and in
-batch-invariant mode, the budget is `step_tokens` tokens; with nothing to decode, `solo_tokens`. A sequence
-loading a disk hit prefills its suffix in a pass of its own, which runs each layer once that layer is in its pages.
+step's `Plan` is final: the decode dispatches (where the pool has no page for a token, the youngest running
+sequence is preempted), the prefill passes and a sliced pass. The prefill budget is time (step_cost.py): segments
+predicted to take about `prefill_step_ratio` times the decode step, a segment too long for a step as a sliced pass;
+without costs yet, and in batch-invariant mode, `step_tokens` tokens; with nothing to decode, `solo_tokens`.
 """
 from __future__ import annotations
 
@@ -42,20 +37,17 @@ class SchedulePolicy:
             raise ValueError(f"prefill_step_ratio must be > 0, got {self.prefill_step_ratio}")
 
     def segment_sizes(self) -> list[int]:
-        """The sizes a time-sized segment takes, smallest first: the block times powers of two up to solo_tokens,
-        and solo_tokens (few compiled shapes)."""
+        """A time-sized segment's sizes, smallest first: the block times powers of two, and solo_tokens."""
         sizes = [min(self.block_tokens, self.solo_tokens)]
         while sizes[-1] * 2 <= self.solo_tokens:
             sizes.append(sizes[-1] * 2)
         return sizes if sizes[-1] == self.solo_tokens else [*sizes, self.solo_tokens]
 
 
-SLICED_STEPS = 32  # a sliced pass is sized to about this many steps' prefill budgets: larger segments attend and
-# read the weights for more tokens at once, but while one is in flight another long prompt waits for it (32 against
-# 8: a 16K miss among 15 decoding streams got its first token after 17.8 s against 28.0 s; serve_bench, one run)
-SLICE_GAIN = 1.25  # a sequence whose largest segment that fits a step is this much slower per token than a sliced
-# pass's segment gets the sliced pass instead: every pass reads all the weights and dispatches every layer, so at
-# short contexts 64 tokens cost about what 256 do
+# A sliced pass is sized to about this many steps' prefill budgets (while it runs, other long prompts wait).
+SLICED_STEPS = 32
+# A segment this much slower per token than a sliced pass's takes the sliced pass: every pass reads all the weights.
+SLICE_GAIN = 1.25
 
 
 class Plan(NamedTuple):
@@ -63,9 +55,7 @@ class Plan(NamedTuple):
     decode: list[list[Sequence]]  # decode dispatches; each sequence has the page its token goes to
     passes: list[list[tuple[Sequence, int]]]  # prefill passes run whole: (sequence, tokens from its `computed`)
     sliced: tuple[Sequence, int] | None = None  # a segment to start as a sliced pass (none while one is in flight)
-    # The seconds left for the sliced pass (new or in flight) after `passes`: it runs as many of its units as fit,
-    # at least one. None: a pass in flight runs to its end.
-    slice_s: float | None = None
+    slice_s: float | None = None  # seconds left for the sliced pass after `passes` (None: it runs to its end)
     preempted: tuple[Sequence, ...] = ()  # pages freed, requeued: their passes and loads must end first
     ended: tuple[Sequence, ...] = ()  # they alone fill the pool: their answers end ("length")
 
@@ -78,7 +68,7 @@ class Plan(NamedTuple):
         return [segment for group in self.passes for segment in group]
 
 
-class Shapes(Protocol):  # what the scheduler asks of the runner (model/runner.py)
+class Shapes(Protocol):  # the runner's (model/runner.py)
     def batchable(self, n: int, end: int) -> bool: ...
     def decode_shape(self, positions: list[int]) -> tuple[int, int]: ...
 
@@ -98,9 +88,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> list[tuple[Sequence, list[int]]]:
-        """Grants pages to waiting sequences in order while they fit (`BlockManager.grant`: a memory hit takes
-        references on the published pages of its prefix); each admitted one runs from there, its computed tokens
-        the memory hit's. Returns (sequence, memory hit pages) each."""
+        """Grants pages to waiting sequences in order while they fit; returns (sequence, memory hit pages) each."""
         admitted = []
         while self.waiting and len(self.running) < self.policy.max_batch:
             seq = self.waiting[0]
@@ -115,9 +103,7 @@ class Scheduler:
 
     def schedule(self, cost: StepCost | None = None, in_flight: Collection[Sequence] = (), slicing: bool = False
                  ) -> Plan:
-        """The next step's plan; `cost` (measured step costs) sizes the prefill segments by time while sequences
-        decode. `in_flight`: sequences in a prefill pass in flight (they get no segment); `slicing`: one of those
-        passes is sliced (the step gives it what its budget has left, or, untimed, lets it run to its end)."""
+        """The next step's plan; `in_flight`: sequences in a pass in flight (no segment); `slicing`: one is sliced."""
         preempted, ended = [], []
         decode = self._grow([s for s in self.running if not s.prefilling], preempted, ended)
         p = self.policy
@@ -141,7 +127,6 @@ class Scheduler:
                 continue
             left = seq.target - seq.computed
             if p.batch_invariant:
-                # Segment ends at the next multiple of step_tokens: the same cuts whatever else runs.
                 n = min(left, (seq.computed // p.step_tokens + 1) * p.step_tokens - seq.computed)
             else:
                 n = min(left, budget)
@@ -151,13 +136,8 @@ class Scheduler:
 
     def _timed_prefill(self, cost: StepCost, seconds: float, in_flight: Collection[Sequence], slicing: bool
                        ) -> tuple[list[tuple[Sequence, int]], tuple[Sequence, int] | None, float | None]:
-        """Prefill segments whose predicted time adds up to about `seconds`: for each prefilling sequence in
-        admission order (but those in a pass in flight) the largest segment size that fits what is left (its
-        rest of the prompt if that fits). With no sliced pass in flight, of those whose smallest size does not fit, or
-        whose fitting size computes SLICE_GAIN fewer tokens a second, the one whose rest of the prompt is predicted
-        to take least gets a sliced pass (the others' fitting segments still run): the largest size
-        predicted within SLICED_STEPS times the step's budget (at least the smallest), so a prefill progresses
-        whatever the decode costs. The sliced pass, new or in flight, gets the seconds left."""
+        """Prefill segments predicted to take about `seconds`: each sequence's largest fitting size; of those fitting
+        none (or SLICE_GAIN slower a token), the least predicted rest gets a sliced pass (<= SLICED_STEPS budgets)."""
         sizes = self.policy.segment_sizes()
         budget = seconds
 
@@ -178,7 +158,8 @@ class Scheduler:
         def add(seq: Sequence, n: int) -> None:
             nonlocal seconds
             prefill.append((seq, n))
-            seconds -= predicted(seq, n)  # charged after it joins `prefill`: see the first call
+            # charged after it joins `prefill`: a step's first segment skips its pass's fixed cost (a tuned slack)
+            seconds -= predicted(seq, n)
 
         for seq in self.running:
             if not seq.prefilling or seq in in_flight:
@@ -190,16 +171,9 @@ class Scheduler:
                 slice_n = within[-1] if within else candidates(seq)[0]
             if fits and not (slice_n is not None and slice_n > fits[-1]
                              and rate(slice_n, seq.computed) >= SLICE_GAIN * rate(fits[-1], seq.computed)):
-                # Charged after it joins `prefill`, so the step's first segment is charged without its pass's
-                # fixed cost d: a little slack the default ratio was tuned with. Charging d (as a step really
-                # pays it) gave the trace at 16 users 62-65 output tok/s against 72-78 (serve_bench sweep, A/B).
                 add(seq, fits[-1])
             elif slice_n is not None:
                 wanting.append((cost.prefill_s(seq.target - seq.computed, seq.target), seq, slice_n))
-        # The sliced pass goes to the sequence with the least left to compute (shortest remaining time first): a
-        # short prompt whose smallest segment does not fit a step went behind a 16K miss's sliced passes, one
-        # after another, and got its first token after 44-108 s (serve_bench's interference phase, a CPU without
-        # AMX); it now waits for the pass in flight at most. The others' segments that fit still run.
         sliced = None
         if wanting:
             _, chosen, n = min(wanting, key=lambda w: w[0])
@@ -212,8 +186,7 @@ class Scheduler:
         return prefill, sliced, max(seconds, 0.0)
 
     def _grow(self, decode: list[Sequence], preempted: list[Sequence], ended: list[Sequence]) -> list[Sequence]:
-        """Gives every decoding sequence the page its next token goes to, preempting the youngest running sequences
-        while the pool has none (a sequence that alone fills the pool ends instead); returns those still decoding."""
+        """Gives each decoding sequence its next token's page, preempting the youngest while none is free."""
         for seq in decode:
             if seq.status is not Status.RUNNING:
                 continue
@@ -230,8 +203,7 @@ class Scheduler:
         return [seq for seq in decode if seq.status is Status.RUNNING and seq not in ended]
 
     def _dispatches(self, decode: list[Sequence], cost: StepCost | None) -> list[list[Sequence]]:
-        """The decode batch as one dispatch, or as two, the shorter sequences apart from the longer ones
-        (`decode_cut`). Batch-invariant mode always takes one (its batch is padded to a fixed size)."""
+        """The decode batch as one dispatch, or two, shorter sequences apart (`decode_cut`; batch-invariant: one)."""
         if not decode:
             return []
         if self.policy.batch_invariant or len(decode) < 2 or self.shapes is None or cost is None:
@@ -241,12 +213,8 @@ class Scheduler:
         return [ordered[:cut], ordered[cut:]] if cut else [decode]
 
     def _passes(self, segments: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
-        """The segments as passes: those the runner can batch together in passes of up to MAX_PASS_TILES tiles,
-        taken in order of where they end, so that a pass holds segments of like context (its tiles attend in one
-        vmapped loop, as many key blocks for each as for its longest: 16 segments of 64 tokens at 64-2,000 tokens
-        of context took 803 ms in two passes packed this way, 1,085 ms in admission order); then each other one
-        alone (a long segment, which the runner chunks; a sequence loading a disk hit). Batch-invariant mode
-        computes every segment alone, so a sequence's numbers never depend on who shares its pass."""
+        """The segments as passes: batchable ones in passes of up to MAX_PASS_TILES tiles, in order of where they end,
+        then each other one alone (all alone in batch-invariant mode: a sequence's numbers never depend on its pass)."""
         alone, batched = [], []
         for seq, n in segments:
             if (self.policy.batch_invariant or self.shapes is None or seq.load is not None
@@ -266,8 +234,7 @@ class Scheduler:
         return passes + ([shared] if shared else []) + alone
 
     def preempt(self, seq: Sequence) -> None:
-        """Frees the sequence's pages and puts it first in line; its published blocks stay hot (what it computed
-        is published first), so the redo is mostly a memory hit."""
+        """Frees the sequence's pages and puts it first in line; what it computed is published first (a memory hit)."""
         self.blocks.publish_sequence(seq)
         self.running.remove(seq)
         self.blocks.free(seq)
@@ -290,11 +257,7 @@ SPLIT_GAIN = 0.9  # a decode batch goes as two dispatches only when they are pre
 
 
 def decode_cut(positions: list[int], shape: Callable[[list[int]], tuple[int, int]], cost: DispatchCost) -> int:
-    """Where to cut a decode batch of sequences at these positions (ascending) into two dispatches, or 0 for one.
-    In one batch every sequence's view is as long as the longest's (`shape` gives a dispatch's padded batch and
-    view rows), so a few long sequences make every short one read their length; two dispatches pay the fixed
-    cost twice. The cut with the lowest predicted cost wins if it beats one dispatch by SPLIT_GAIN; without
-    fitted costs, one dispatch."""
+    """Where to cut a decode batch (ascending positions) in two dispatches: the cheapest if SPLIT_GAIN cheaper, or 0."""
     if len(positions) < 2 or cost.predict(1, 1) is None:
         return 0
     whole = shape(positions)

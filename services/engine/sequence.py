@@ -37,8 +37,7 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Load:
-    """A disk hit being read into the sequence's pages (tiers.py): positions [start, end), counted computed while
-    the layers arrive; `placed` layers are in. A layer failing verification shortens `end`."""
+    """A disk hit read into the pages, positions [start, end) counted computed; `placed` layers are in."""
     start: int  # tokens it held before (from the memory tier): not read
     end: int
     begin: float  # perf_counter when it was asked for
@@ -48,9 +47,8 @@ class Load:
 
 @dataclass(eq=False)
 class Sequence:
-    """`tokens` is the prompt plus every token sampled so far; the latents of tokens[:computed] are in
-    the pages of `pages` (its block table), for every layer. A running sequence whose prefill is
-    done has computed == len(tokens) - 1: the last sampled token is fed by the next decode step."""
+    """`tokens` is the prompt plus every token sampled so far; the latents of tokens[:computed] are in `pages`, for
+    every layer. After its prefill, computed == len(tokens) - 1: the next decode step feeds the last sampled token."""
 
     job: Job
     seed: int
@@ -73,7 +71,6 @@ class Sequence:
     first_token_at: float | None = None
     stall_s: float = 0.0
     finish_reason: str = ""
-    # The grammar's state follows `tokens` (not pages), so a preempted and resumed sequence keeps it.
     grammar: GrammarState | None = None
 
     @property

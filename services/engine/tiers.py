@@ -1,12 +1,9 @@
 """The disk tier beside the model thread: a disk hit's layers read into the sequence's pages, new blocks saved.
 
-Loads run on the event loop. Each layer of a hit is read (verified) into a slot of one staging buffer (reused by
-every load, `read_ahead + 2` layers of the longest hit so far, page-locked where the platform allows) and comes
-to the model thread through one completion queue, which wakes it; it places the layer into the sequence's pages,
-which frees the slot for a later layer. A hit's prefill runs layer l once layer l is placed (passes.py), so its
-time to first token approaches max(load, compute) and no other sequence waits on disk. Loads take the buffer one
-at a time, in order of arrival. Saves: the model thread copies new full blocks on the device (ordered with later
-steps); the host copy and the write run on the event loop, and only durable data is published (kvstore).
+Loads run on the event loop, one at a time: each layer is read (verified) into a slot of one staging buffer
+(`read_ahead + 2` layers, page-locked where it can be) and reaches the model thread through a completion queue;
+placing it frees the slot, and the hit's prefill runs that layer (passes.py). Saves: the model thread copies new
+full blocks on the device; the host copy and the write run on the event loop.
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def pin(buffer: np.ndarray, platform: str) -> bool:
-    """Page-locks a host buffer for the accelerator's DMA where the platform has one (CUDA: cudaHostRegister of the
-    runtime JAX loaded); False where it cannot (the CPU, or no CUDA runtime in the process)."""
+    """Page-locks a host buffer for the accelerator's DMA (CUDA: cudaHostRegister); False where it cannot."""
     if platform not in ("gpu", "cuda"):
         return False
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
@@ -99,8 +95,6 @@ class Tiers:
     def store(self):
         return self.cache.store
 
-    # -- loads --
-
     def load(self, seq: Sequence, end: int) -> None:
         """Starts reading the sequence's hit up to `end` tokens (model thread); it counts them computed from here."""
         seq.load = load = Load(seq.computed, end, time.perf_counter())
@@ -133,8 +127,7 @@ class Tiers:
         return self._staging
 
     def place(self, read: LayerRead) -> bool:
-        """Puts a read layer into the sequence's pages (model thread) and frees its slot; returns whether it came
-        shorter than the load (a block failed verification), which cuts the load's end and computed tokens there."""
+        """Puts a read layer into the sequence's pages and frees its slot; returns whether verification cut the load."""
         seq, load, layer = read.seq, read.load, read.layer
         if seq.load is not load:  # cancelled, or the sequence was preempted: nothing to place
             read.slots.free(layer)
@@ -150,8 +143,7 @@ class Tiers:
         if valid > start:
             rows = read.slots.rows
             staged = read.slots.buffer[layer % read.slots.buffer.shape[0], :rows]
-            # Rows past the valid ones (stale, or never read) must not reach the scratch page: attention masks their
-            # scores, but 0 x NaN in P.V would still poison every padded batch.
+            # rows past the valid ones must not reach the scratch page: 0 x NaN in P.V would poison padded batches
             staged[valid * B:] = 0
             targets = [SCRATCH_PAGE] * (rows // B)
             targets[start:valid] = seq.pages[start:valid]
@@ -161,8 +153,7 @@ class Tiers:
         return cut
 
     def take(self, abort: Callable[[Sequence], None]) -> None:
-        """Places the layers read since (model thread). A layer cut short closes its sequence's pass (`abort`: it
-        assumed the longer prefix); the last layer placed ends the load, whose blocks then join the memory tier."""
+        """Places the layers read since; a layer cut short closes its pass, the last ends the load (then published)."""
         while True:
             try:
                 read = self.completions.get_nowait()
@@ -182,9 +173,7 @@ class Tiers:
 
     def deadlines(self, loading: list[Sequence], tokens_per_s: float | None,
                   abort: Callable[[Sequence], None]) -> float | None:
-        """Cancels the loads that have taken longer than recomputing their tokens would (at prefetch_deadline_factor
-        times `tokens_per_s`: the hit is a loss by then; `abort` closes the sequence's pass) and their sequences
-        compute the rest; returns the seconds to the next deadline (None: none)."""
+        """Cancels loads slower than prefetch_deadline_factor times recomputing; returns the seconds to the next one."""
         now, soonest = time.perf_counter(), None
         for seq in loading:
             load = seq.load
@@ -208,15 +197,12 @@ class Tiers:
             seq.computed = min(seq.computed, load.start)
             load.cancel()
 
-    # -- saves --
-
     def save(self, seq: Sequence, hashes: list[bytes], full: int) -> None:
         """Hands blocks [saved_blocks, full) of the sequence to the store (model thread)."""
         start = seq.saved_blocks
         layers = self.latents.read(seq.pages[start:full])
         seq.saved_blocks = full
-        # Counted as pending from here (not from when the loop starts it): a caller that saw the request's 'done'
-        # event and then reads pending_saves == 0 knows the blocks are published.
+        # pending from here, not from when the loop starts it: after 'done', pending_saves == 0 means published
         future = asyncio.run_coroutine_threadsafe(self._save(seq.job, hashes, layers, start), self.loop)
         with self._saves_lock:
             self.saves.add(future)
