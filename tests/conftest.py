@@ -4,10 +4,13 @@
 `redis_url` / `cluster_url` give each test an empty keyspace by flushing the shared server, so a
 module-scoped fixture that keeps state in `valkey_server` (a service started once per module)
 must not be combined with `redis_url` in the same module.
+Every module's compiled programs are freed at its end (`_compiled_programs_freed`).
 """
 from __future__ import annotations
 
+import gc
 import socket
+import sys
 import time
 from typing import Iterator, NamedTuple
 
@@ -56,6 +59,17 @@ def free_ports(count: int) -> int:
         finally:
             for sock in probes:
                 sock.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_freed() -> Iterator[None]:
+    """Frees the module's compiled programs when it ends. Each XLA:CPU executable holds memory mappings (~30 for a
+    decode group), and one process running the whole suite reached vm.max_map_count (65,530) in its engine tests'
+    many models: past it a compile fails, and the failure's C++ exception crashed the process while unwinding."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
