@@ -4,7 +4,8 @@
 `redis_url` / `cluster_url` give each test an empty keyspace by flushing the shared server, so a
 module-scoped fixture that keeps state in `valkey_server` (a service started once per module)
 must not be combined with `redis_url` in the same module.
-Every module's compiled programs are freed at its end (`_compiled_programs_freed`).
+Compiled programs are freed at each module's end, and sooner where the process's memory mappings grow
+(`_compiled_programs_freed`, `_mappings_bounded`).
 """
 from __future__ import annotations
 
@@ -61,15 +62,38 @@ def free_ports(count: int) -> int:
                 sock.close()
 
 
+MAPPINGS_TO_FREE_AT = 30_000  # memory mappings of this process past which a test's end frees compiled programs
+
+
+def _free_compiled_programs() -> None:
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_programs_freed() -> Iterator[None]:
     """Frees the module's compiled programs when it ends. Each XLA:CPU executable holds memory mappings (~30 for a
     decode group), and one process running the whole suite reached vm.max_map_count (65,530) in its engine tests'
     many models: past it a compile fails, and the failure's C++ exception crashed the process while unwinding."""
     yield
-    if "jax" in sys.modules:
-        sys.modules["jax"].clear_caches()
-        gc.collect()
+    _free_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _mappings_bounded() -> Iterator[None]:
+    """Within a module too (test_engine_batching alone maps ~47K): past MAPPINGS_TO_FREE_AT, a test's end frees them."""
+    yield
+    if _mappings() > MAPPINGS_TO_FREE_AT:
+        _free_compiled_programs()
 
 
 @pytest.fixture(scope="session")
