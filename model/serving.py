@@ -62,10 +62,12 @@ def serving_model(model: DeepseekModel, dtype: str, few_row_kernel: bool = True,
     widen = wide and jnp.dtype(dtype) == jnp.bfloat16 and platform == "cpu" and not cpu_kernels.has_amx()
     served = nnx.merge(graphdef, state)  # new modules over the same arrays
     for path, module in list(nnx.iter_graph(served)):
-        if isinstance(module, MoE):  # routed experts at the serving dtype; on GPU/TPU never widened (experts.py)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                setattr(module, name, nnx.Param(getattr(module, name)[...].astype(dtype)))
+        if isinstance(module, MoE):  # GPU/TPU: routed experts at the serving dtype, never widened (experts.py)
             module.method = expert_method(platform)
+            # the CPU keeps the checkpoint's: its tiles of float32 rows widen bfloat16 experts whole each call
+            if module.method == "ragged_dot":
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    setattr(module, name, nnx.Param(getattr(module, name)[...].astype(dtype)))
         elif isinstance(module, MLAttention):  # attention's own products take the serving dtype too
             module.w_uk = nnx.Param(module.w_uk[...].astype(dtype))
             module.w_uv = nnx.Param(module.w_uv[...].astype(dtype))
