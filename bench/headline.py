@@ -31,7 +31,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.kv_bench import drop_caches, free_port
 from bench.report import OUT, machine, markdown_table, save_figure, update_section
 from bench.ttft_physical_bound import suffix_flops
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
@@ -122,8 +122,8 @@ def median_s(call, repeats: int) -> float:
 def evict(paths: list[Path], drop_all: bool) -> None:
     """Takes the files' pages out of the page cache (written back first; pages mapped by a process stay)."""
     if drop_all:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        if not drop_caches():
+            raise OSError("could not drop the page cache (/proc/sys/vm/drop_caches)")
         return
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -278,12 +278,6 @@ def bounds(cfg: ModelConfig, n: int, limits: dict) -> dict:
 
 
 # -- the engine in-process --
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 class Served:
     """The engine on its model thread over `volumes` and a Valkey index, as the engine service runs it."""
