@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from bench import (decode_attention_bench, decode_bench, few_rows_bench, prefill_kernel_bench, prefill_passes, report,
-                   serve_bench, serve_report)
+from bench import report, serve_bench, serve_report
+from bench.lab import decode_attention_bench, decode_bench, few_rows_bench, prefill_kernel_bench, prefill_passes
 from bench.serve_client import Result, percentiles, summarize
 from model import cpu_kernels
 

@@ -6,7 +6,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from bench.convert_memory import measure, write_checkpoint
+from bench.lab.convert_memory import measure, write_checkpoint
 
 
 def test_converter_streams_with_memory_bounded_by_the_largest_tensor(tmp_path):

@@ -1,7 +1,7 @@
 """Peak host memory of converting a checkpoint: a synthetic one laid out as DeepSeek publishes V3
 (per-expert tensors, FP8 block-scaled attention projections, several safetensors files).
 
-    python -m bench.convert_memory [--layers 4] [--experts 64] [--dir DIR]
+    python -m bench.lab.convert_memory [--layers 4] [--experts 64] [--dir DIR]
 
 Writes the checkpoint, converts it in a child process that samples its own RSS every 5 ms, and
 reports the peak RSS above the RSS just before `convert` against the checkpoint's size and its
@@ -95,7 +95,7 @@ def write_checkpoint(root: Path, config: dict = HF_CONFIG, files: int = 3) -> di
 
 def measure(hf_dir: Path, out_dir: Path) -> dict:
     """Converts in a child process; its peak RSS growth, seconds and the weights digest."""
-    result = subprocess.run([sys.executable, "-m", "bench.convert_memory", "--child", str(hf_dir), str(out_dir)],
+    result = subprocess.run([sys.executable, "-m", "bench.lab.convert_memory", "--child", str(hf_dir), str(out_dir)],
                             capture_output=True, text=True, timeout=1800, cwd=ROOT)
     if result.returncode:
         raise RuntimeError(f"conversion failed: {result.stderr[-4000:]}")
@@ -155,7 +155,7 @@ def main() -> None:
                            [[mib(size), len(tensors), mib(largest), mib(report["peak_growth"]),
                              f"{report['seconds']:.1f}"]])
     print(table)
-    command = f"python -m bench.convert_memory --layers {args.layers} --experts {args.experts}"
+    command = f"python -m bench.lab.convert_memory --layers {args.layers} --experts {args.experts}"
     update_section("Converter memory (convert_memory)", f"""Command: `{command}`
 
 Machine: {results['machine']}. A synthetic checkpoint in DeepSeek-V3's published layout ({args.layers} layers,

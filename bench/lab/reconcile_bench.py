@@ -12,7 +12,7 @@ object is its real header followed by a sparse hole of the data's size (same nam
 same header bytes as a save writes; 36 MiB of data per 64-block segment would not fit on the disk).
 Writes bench/out/reconcile_bench.json and the "Reconciliation (reconcile_bench)" section of BENCHMARKS.md.
 
-    .venv/bin/python -m bench.reconcile_bench [--dir DIR] [--segments 4000] [--blocks 64] [--volumes 4]
+    .venv/bin/python -m bench.lab.reconcile_bench [--dir DIR] [--segments 4000] [--blocks 64] [--volumes 4]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from kvstore.segment import SegmentPublication, encode_header
 from kvstore.volume import segment_key
 from services.launcher import durable_valkey
 
-COMMAND = ".venv/bin/python -m bench.reconcile_bench"
+COMMAND = ".venv/bin/python -m bench.lab.reconcile_bench"
 
 
 def progress(message: str) -> None:

@@ -3,7 +3,7 @@ one layer of a preset's widths (mini's by default), in-process: float32 (each pa
 (tile products), over sequences whose pages are spread through the pool, as in the engine. On a CPU with AVX2
 alone, float32 (its AVX2 intrinsics) beside "portable" (the same source built with GCC's portable vectors).
 
-    python -m bench.decode_attention_bench [--repeats 30] [--quick]
+    python -m bench.lab.decode_attention_bench [--repeats 30] [--quick]
 
 Each row is the median over --repeats calls, the paths alternating; a call is one layer's attention for every
 sequence of the batch (what a decode step runs once per layer). GB/s is the pages' bytes over that time.
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import report
-from bench.prefill_kernel_bench import alternate
+from bench.lab.prefill_kernel_bench import alternate
 from model import cpu_kernels
 from model.config import preset
 
-COMMAND = "python -m bench.decode_attention_bench"
+COMMAND = "python -m bench.lab.decode_attention_bench"
 CASES = ((1, 512), (16, 512), (64, 512), (1, 4096), (4, 4096), (16, 4096))  # (sequences, context)
 QUICK = ((1, 128), (4, 256))
 PAGE = 64

@@ -4,7 +4,7 @@ prefill cut into fixed segments), so the cost of invariance is measured, not gue
 bfloat16 serving (model/serving.py) against float32 serving of the same weights; and the same model over other
 attention backends and options (model/attention/).
 
-    python -m bench.decode_bench [--preset mini] [--batches 1,2,4,16,64] [--context 512] [--repeats 5]
+    python -m bench.lab.decode_bench [--preset mini] [--batches 1,2,4,16,64] [--context 512] [--repeats 5]
 
 Every row is the median over --repeats runs of the same shape, measured side by side in one process. Each kind
 of CPU (AMX, AVX-512 without AMX, AVX2 alone) gets its own report section (its kernels take other paths).
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import report
-from bench.moe_bench import median_seconds
+from bench.lab.moe_bench import median_seconds
 from model import cpu_kernels
 from model.attention import make_backend
 from model.config import preset
@@ -29,7 +29,7 @@ from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.serving import serving_model
 from model.weights import init_model
 
-COMMAND = "python -m bench.decode_bench"
+COMMAND = "python -m bench.lab.decode_bench"
 _argmax = jax.jit(lambda logits_BV: jnp.argmax(logits_BV, axis=-1))
 DEFAULT_CONTEXT = 512
 MODES = ("default", "invariant", "float32", "xla_attention", "xla_products", "float32_attention")

@@ -3,7 +3,7 @@ product, on every projection shape of a preset's served model, at 1, 2, 4, 16 an
 that many sequences; the kernel takes up to 32 rows with AMX, AVX-512 or AVX2, else 4), side by side in one
 process. Each kind of CPU (AMX, AVX-512 without AMX, AVX2 alone) gets its own report section (its paths differ).
 
-    python -m bench.few_rows_bench [--preset mini] [--repeats 21]
+    python -m bench.lab.few_rows_bench [--preset mini] [--repeats 21]
 
 XLA's column is what `ServingLinear` ran before the kernel: one row computed as two (XLA:CPU's one-row
 bfloat16 product is slower still). Each row of the table is the median over --repeats calls of one jitted
@@ -32,7 +32,7 @@ PATHS = {"amx": "one row: AVX-512 BF16 dot products; more: AMX tiles",
          "avx512": "one row: AVX-512 BF16 dot products; more: float32 FMAs (this CPU has no AMX)",
          "avx2": "float32 FMAs on weights widened in AVX2 registers (this CPU has no AVX-512)",
          "portable": "GCC's portable vectors"}
-COMMAND = "python -m bench.few_rows_bench"
+COMMAND = "python -m bench.lab.few_rows_bench"
 ROWS = (1, 2, 4, 16, 32)
 
 

@@ -1,6 +1,6 @@
 """Routed experts vs every expert on every token, on a DeepSeek-V2-Lite-shaped MoE layer.
 
-    python -m bench.moe_bench [--tokens 1 16 512] [--top-k-sweep 1 2 6] [--sweep-tokens 2048] [--repeats 3]
+    python -m bench.lab.moe_bench [--tokens 1 16 512] [--top-k-sweep 1 2 6] [--sweep-tokens 2048] [--repeats 3]
 
 V2-Lite's routed experts at their real widths (64 experts, top-6, hidden 2048, expert intermediate
 1408) with random weights and random routes (each token picks 6 distinct experts, uniformly). Three
@@ -128,7 +128,7 @@ def write_section(results: dict) -> None:
     flags = (f"--tokens {' '.join(map(str, command['tokens']))}"
              f" --top-k-sweep {' '.join(map(str, command['top_k_sweep']))}"
              f" --sweep-tokens {command['sweep_tokens']} --repeats {command['repeats']} --dtype {command['dtype']}")
-    update_section("Routed MoE (moe_bench)", f"""Command: `python -m bench.moe_bench {flags}`
+    update_section("Routed MoE (moe_bench)", f"""Command: `python -m bench.lab.moe_bench {flags}`
 
 Machine: {results['machine']}; JAX backend `{results['backend']}`. One DeepSeek-V2-Lite-shaped MoE layer's routed
 experts ({shape['experts']} experts, top-{shape['top_k']}, hidden {shape['hidden']}, expert intermediate

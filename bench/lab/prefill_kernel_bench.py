@@ -2,7 +2,7 @@
 attention, in-process, side by side: one layer's attention alone, and whole prefill segments of the runner (the
 engine's model) over the cpu backend with the kernel and over the xla backend.
 
-    python -m bench.prefill_kernel_bench [--preset mini] [--repeats 3] [--quick]
+    python -m bench.lab.prefill_kernel_bench [--preset mini] [--repeats 3] [--quick]
 
 Over the xla backend the runner picks absorbed or expanded attention by its FLOP rule (`prefer_absorbed`); the cpu
 backend with the kernel picks between the kernel's two forms by the same rule, and runs beside its absorbed form
@@ -29,7 +29,7 @@ from model.runner import Runner, Segment, enable_compilation_cache, view_bucket
 from model.serving import serving_model
 from model.weights import init_model
 
-COMMAND = "python -m bench.prefill_kernel_bench"
+COMMAND = "python -m bench.lab.prefill_kernel_bench"
 LAYER_CASES = ((16, 2048), (64, 2048), (64, 8192), (64, 16384), (256, 8192), (1024, 8192))
 SEGMENT_CASES = ((64, 8192), (256, 8192), (1024, 8192), (2048, 2048), (2048, 16384))
 QUICK = ((32, 256), (64, 512))  # --quick: the same steps at small sizes (tests)

@@ -1,6 +1,6 @@
 """grammar_bench: what constrained decoding costs per decode step, and llguidance against xgrammar.
 
-    python -m bench.grammar_bench [--preset mini] [--batches 1,16] [--context 512] [--repeats 5]
+    python -m bench.lab.grammar_bench [--preset mini] [--batches 1,16] [--context 512] [--repeats 5]
 
 Part 1, the grammar engines alone on the DeepSeek-V3 tokenizer (129,280 ids), on the same schemas: the
 time to compile a request's grammar and the time of one next-token mask, median over a random walk
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from bench import report
-from bench.moe_bench import median_seconds
+from bench.lab.moe_bench import median_seconds
 from model.attention import make_backend
 from model.config import preset
 from model.grammar import default_tokenizer_json, grammar_source, token_grammar
@@ -31,7 +31,7 @@ from model.sampling import SamplingParams, SamplingRow, sample_batch
 from model.serving import serving_model
 from model.weights import init_model
 
-COMMAND = "python -m bench.grammar_bench"
+COMMAND = "python -m bench.lab.grammar_bench"
 EOS = 1
 SCHEMAS = {
     "flat": {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -1,7 +1,7 @@
 """prefill_passes: several sequences' prefill segments in one pass (`Runner.prefill` of all of them) against the
 same segments computed one by one (`Runner.prefill` of each), in-process, on the engine's bfloat16-served model.
 
-    python -m bench.prefill_passes [--preset mini] [--repeats 5]
+    python -m bench.lab.prefill_passes [--preset mini] [--repeats 5]
 
 Each case is a list of segments (tokens, start: the sequence's earlier tokens are already in its pages).
 Both ways run side by side in one process, alternating; every number is the median over --repeats runs.
@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from bench import report
-from bench.moe_bench import median_seconds
+from bench.lab.moe_bench import median_seconds
 from model.attention import make_backend
 from model.config import preset
 from model.latent_pool import LatentPool
@@ -25,7 +25,7 @@ from model.runner import Runner, Segment
 from model.serving import serving_model
 from model.weights import init_model
 
-COMMAND = "python -m bench.prefill_passes"
+COMMAND = "python -m bench.lab.prefill_passes"
 PAGE = 64
 CASES = {  # name -> [(segment tokens, start)]
     "8 x 64 at 0": [(64, 0)] * 8,
