@@ -143,17 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="mini")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--quick", action="store_true", help="small cases (tests)")
-    p.add_argument("--no-report", action="store_true")
-    args = p.parse_args(argv)
     ok, why = cpu_kernels.available("cpu")
     if not ok:
         raise SystemExit(f"the CPU kernels are unavailable here: {why}")
-    result = measure(args)
-    result["command"] = report.command_line(COMMAND, argv)
-    report.write_json("decode_attention_bench", result)
-    if not args.no_report:
-        write(result)
-    return 0
+    return report.main(p, measure, write, name="decode_attention_bench", command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":

@@ -211,15 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solo-tokens", type=int, default=2048)
     p.add_argument("--step-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-report", action="store_true")
-    args = p.parse_args(argv)
-    result = measure(args)
-    result["prefill_tokens"] = args.prefill
-    result["command"] = report.command_line(COMMAND, argv)
-    report.write_json("decode_bench", result)
-    if not args.no_report:
-        write(result)
-    return 0
+    return report.main(p, lambda args: {**measure(args), "prefill_tokens": args.prefill}, write, name="decode_bench",
+                       command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":

@@ -245,6 +245,16 @@ def plot(result: dict) -> str:
     return report.save_figure(fig, "grammar_bench.png")
 
 
+def measure(args) -> dict:
+    vocab_size = preset(args.preset).vocab_size
+    result = {"preset": args.preset, "context": args.context, "vocab_size": vocab_size,
+              "load_average_start": os.getloadavg()[0], "jax_backend": jax.default_backend()}
+    result["engines"] = engines(vocab_size, args.repeats)
+    result["steps"] = steps(args)
+    result["load_average_end"] = os.getloadavg()[0]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="grammar_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -252,19 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-report", action="store_true")
-    args = p.parse_args(argv)
-    vocab_size = preset(args.preset).vocab_size
-    result = {"preset": args.preset, "context": args.context, "vocab_size": vocab_size, "machine": report.machine(),
-              "load_average_start": os.getloadavg()[0], "jax_backend": jax.default_backend()}
-    result["engines"] = engines(vocab_size, args.repeats)
-    result["steps"] = steps(args)
-    result["load_average_end"] = os.getloadavg()[0]
-    result["command"] = report.command_line(COMMAND, argv)
-    report.write_json("grammar_bench", result)
-    if not args.no_report:
-        write(result)
-    return 0
+    return report.main(p, measure, write, name="grammar_bench", command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":

@@ -182,14 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="mini")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small cases only (tests)")
-    p.add_argument("--no-report", action="store_true")
-    args = p.parse_args(argv)
-    result = measure(args)
-    result["command"] = report.command_line(COMMAND, argv)
-    report.write_json("prefill_kernel_bench", result)
-    if not args.no_report:
-        write(result)
-    return 0
+    return report.main(p, measure, write, name="prefill_kernel_bench", command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":

@@ -130,14 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="mini")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-report", action="store_true")
-    args = p.parse_args(argv)
-    result = measure(args)
-    result["command"] = report.command_line(COMMAND, argv)
-    report.write_json("prefill_passes", result)
-    if not args.no_report:
-        write(result)
-    return 0
+    return report.main(p, measure, write, name="prefill_passes", command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":

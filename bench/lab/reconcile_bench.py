@@ -121,7 +121,7 @@ def write_section(r: dict) -> None:
         "latents, so the objects are real headers followed by sparse holes of the data's size.",
         "",
         "```",
-        " ".join([COMMAND, *r["argv"]]) + "   # as root: the cold pass drops the page cache",
+        r["command"] + "   # as root: the cold pass drops the page cache",
         "```",
         "",
         report.markdown_table(["pass", "seconds", "segments/s", "blocks/s"], rows),
@@ -139,16 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=64, help="blocks per segment")
     parser.add_argument("--volumes", type=int, default=4, help="volume directories (all under --dir)")
     parser.add_argument("--concurrency", type=int, default=32, help="segments reconciled at once")
-    parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md")
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
-    result = asyncio.run(run(args))
-    path = report.write_json("reconcile_bench", result)
-    progress(f"wrote {path}")
-    if not args.no_report:
-        write_section(result)
-        progress("wrote BENCHMARKS.md")
-    return 0
+    return report.main(parser, lambda args: asyncio.run(run(args)), write_section, name="reconcile_bench", command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":
