@@ -78,7 +78,7 @@ async def run(args: argparse.Namespace) -> dict:
     progress(f"writing {args.segments} segments of {args.blocks} blocks over {args.volumes} volumes in {work}")
     object_bytes = write_segments(volumes, args.segments, args.blocks)
     result: dict = {"segments": args.segments, "blocks_per_segment": args.blocks, "volumes": args.volumes,
-                    "object_bytes": object_bytes, "concurrency": args.concurrency, "argv": list(args.argv),
+                    "object_bytes": object_bytes, "concurrency": args.concurrency,
                     "machine": report.machine(), "load_average_start": os.getloadavg()[0]}
     valkey = durable_valkey(work / "valkey", "127.0.0.1", free_port(), "reconcile-bench-password")
     valkey.start()
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=64, help="blocks per segment")
     parser.add_argument("--volumes", type=int, default=4, help="volume directories (all under --dir)")
     parser.add_argument("--concurrency", type=int, default=32, help="segments reconciled at once")
-    return report.main(parser, lambda args: asyncio.run(run(args)), write_section, name="reconcile_bench", command=COMMAND, argv=argv)
+    return report.main(parser, lambda args: asyncio.run(run(args)), write_section, name="reconcile_bench",
+                       command=COMMAND, argv=argv)
 
 
 if __name__ == "__main__":
