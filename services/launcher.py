@@ -48,7 +48,7 @@ class StackConfig:
     engine_port: int = field(default=8200, metadata={"help": "first engine port (+1 per replica)"})
     redis_port: int = field(default=6379, metadata={"help": "embedded Valkey port"})
     redis_url: str = field(default="", metadata={
-        "help": "use this Redis instead of the embedded Valkey (no password in it: DEEPINFER_UP_REDIS_PASSWORD)"})
+        "help": "this Redis instead of the embedded Valkey (no password in it)"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
     engines: int = field(default=1, metadata={"help": "engine replicas"})
     preset: str = field(default="mini", metadata={"help": "model preset (weights created on first run)"})
@@ -56,30 +56,28 @@ class StackConfig:
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype"})
     data_dir: str = field(default="data", metadata={"help": "models, volumes, logs and Valkey data"})
     volumes: list[str] = field(default_factory=list, metadata={
-        "flag": "volume", "help": "cache volume: a directory (repeat per SSD) or s3://bucket/prefix; "
-                                  "default: 4 under DATA_DIR/volumes"})
+        "flag": "volume", "help": "a cache volume: a directory (repeat per SSD) or s3://bucket/prefix; default: 4 in DATA_DIR"})
     budget_gib: float = field(default=0.0, metadata={
-        "help": "byte budget per volume, GiB (0: 80% of each volume's file system; an s3 volume needs one)"})
+        "help": "GiB per volume (0: 80% of its file system; an s3 volume needs one)"})
     api_keys: str = secret_field("KEY:TENANT,...; empty = open local mode")
-    admin_token: str = secret_field("admin bearer token (default: DATA_DIR/secrets/admin_token, created once)")
+    admin_token: str = secret_field("admin bearer token (default: DATA_DIR/secrets/admin_token)")
     service_token: str = secret_field("internal-plane credential (default: DATA_DIR/secrets/service_token)")
     salt_key: str = secret_field("tenant salt key (default: DATA_DIR/secrets/salt_key)")
     mac_key: str = secret_field("block MAC key (default: DATA_DIR/secrets/mac_key)")
     redis_password: str = secret_field("Valkey/Redis password (default: DATA_DIR/secrets/redis_password)")
     cache: bool = field(default=True, metadata={"help": "serve and save cached prefixes (disk and memory tiers)"})
     remote_cache: bool = field(default=False, metadata={
-        "help": "engines read and save through the kvstore service instead of mounting the volumes"})
+        "help": "engines reach the volumes through the kvstore service"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long to wait for every service"})
     batch_invariant: bool = field(default=False, metadata={
-        "help": "engines give each sequence bit-identical logits whatever shares its steps (slower)"})
+        "help": "a sequence's logits are bit-identical whatever shares its steps (slower)"})
     pool_gib: float = field(default=0.0, metadata={
         "help": "latent pool per engine, GiB (0: the engine's default share of memory)"})
     dtype: str = field(default="bfloat16", metadata={
-        "help": "engines' serving dtype: bfloat16 (projections stored (out, in), float32 accumulation) or "
-                "float32 (the checkpoint's own numerics)"})
+        "help": "the engines' serving dtype: bfloat16 (float32 sums) or float32"})
     log_format: str = field(default="text", metadata={"help": "the services' log lines: text or json"})
     detach: bool = field(default=False, metadata={
-        "help": "start in the background, return once ready (stop with `deepinfer stop`)"})
+        "help": "return once every service is ready (stop with `deepinfer stop`)"})
 
     def __post_init__(self) -> None:
         check_log_format(self.log_format)

@@ -92,10 +92,8 @@ def _default_text(f: dataclasses.Field) -> str:
     return "required"
 
 
-def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
-                env: Mapping[str, str] | None = None, prog: str | None = None) -> T:
-    """An instance of dataclass `cls` from `argv` (default sys.argv[1:]) and `env` (default os.environ)."""
-    env = os.environ if env is None else env
+def config_parser(cls: type, prefix: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of dataclass `cls`: one flag per non-secret field, secrets in the epilog."""
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     secrets = [f"  {env_name(prefix, f.name)}[_FILE]: {f.metadata.get('help', '')}" for f in fields if is_secret(f)]
@@ -115,7 +113,34 @@ def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
             parser.add_argument(_flag(f), dest=f.name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(_flag(f), dest=f.name, default=None, help=help_text)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def flag_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
+    """(flags, variable, default, meaning) per field, flags as the parser accepts them: the rows of the
+    configuration tables in README.md and docs/operations.md (services.flag_docs renders them)."""
+    by_dest = {a.dest: a for a in config_parser(cls, prefix)._actions}
+    rows = []
+    for f in dataclasses.fields(cls):
+        var = env_name(prefix, f.name)
+        if is_secret(f):
+            flags, var = "(secret: no flag)", f"{var}[_FILE]"
+        else:
+            flags = ", ".join(by_dest[f.name].option_strings)
+        default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
+            else f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = "(none)" if default in ("", []) else str(default).lower() if isinstance(default, bool) else str(default)
+        rows.append((flags, var, default, f.metadata.get("help", "")))
+    return rows
+
+
+def load_config(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
+                env: Mapping[str, str] | None = None, prog: str | None = None) -> T:
+    """An instance of dataclass `cls` from `argv` (default sys.argv[1:]) and `env` (default os.environ)."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    args = config_parser(cls, prefix, prog).parse_args(argv)
     values: dict[str, Any] = {}
     for f in fields:
         kind, flag, var = hints[f.name], _flag(f), env_name(prefix, f.name)
