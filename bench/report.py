@@ -100,15 +100,17 @@ def command_line(command: str, argv: list[str] | None) -> str:
     return " ".join([command, *shown])
 
 
-def save_figure(fig, filename: str, dpi: int = 110) -> str:
-    """Writes a finished matplotlib figure under bench/results and closes it; returns the file name."""
+def save_figure(fig, filename: str | Path, dpi: int = 110) -> str:
+    """Writes a finished matplotlib figure under bench/results (or at `filename` where it is an absolute path) and
+    closes it; returns the file name."""
     import matplotlib.pyplot as plt
 
+    path = RESULTS / filename
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / filename, dpi=dpi)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
-    return filename
+    return path.name
 
 
 def pyplot():

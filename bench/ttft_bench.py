@@ -20,17 +20,16 @@ and reported, never counted in a TTFT. TTFT = client side, request sent -> first
 (max_tokens 1). Saves are waited for before each hit.
 Bounds, measured in this run: physical = max(prefix bytes / read bandwidth (raw device O_DIRECT for a
 prefix on disk, memcpy for one in RAM), suffix FLOPs in the cheaper MLA form / jnp matmul peak)
-(bench.ttft_physical_bound); in-process = max(prefix bytes / raw device, suffix compute of our own
+(bench.ttft_bounds); in-process = max(prefix bytes / raw device, suffix compute of our own
 Runner with the prefix's latents in its pool). transformers' DeepseekV3ForCausalLM (float32, sdpa) on the same
 weights: miss = prefill from scratch, hit = torch.load of the prefix's DynamicCache + suffix prefill.
 By default a fresh stack (preset mini, 1 engine) runs in a temporary directory under --dir.
-Writes bench/out/<name>.json, bench/results/ttft_*.png and the "TTFT (ttft_bench)" BENCHMARKS.md section.
+Writes bench/out/<name>.json, bench/results/<name>.png and its BENCHMARKS.md section (bench.ttft_report).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -43,11 +42,9 @@ from tqdm import tqdm
 
 from bench import report
 from bench.kv_bench import drop_caches
-from bench.ttft_client import GatewayDriver, peak_rss_bytes
-from bench.ttft_lower_bound import raw_device, suffix_compute
-from bench.ttft_physical_bound import matmul_peak, memcpy_gbps, suffix_flops
-from bench.ttft_report import HITS, goals, summarize, tables, write_report
-from bench.ttft_stack import BenchStack
+from bench.stack import BenchStack, GatewayDriver, peak_rss_bytes
+from bench.ttft_bounds import matmul_peak, memcpy_gbps, raw_device, suffix_compute, suffix_flops
+from bench.ttft_report import HITS, goals, summarize, table, write
 from model.weights import read_identity
 
 BLOCK_TOKENS = 64
@@ -70,7 +67,7 @@ def parse_lengths(text: str) -> list[int]:
 
 def run_transformers(args, workdir: Path, lengths: list[int], build_model_dir: bool) -> tuple[dict, Path | None]:
     """The DIY baseline per length; also converts its weights for our stack when build_model_dir."""
-    from bench import ttft_transformers as diy
+    from bench import ttft_bounds as diy
 
     say(f"transformers: building {args.preset} (float32, random weights, seed 0)"
         + (" and converting it for DeepInfer" if build_model_dir else ""))
@@ -79,10 +76,8 @@ def run_transformers(args, workdir: Path, lengths: list[int], build_model_dir: b
     else:
         import torch
         from transformers import DeepseekV3ForCausalLM
-
-        from bench.ttft_transformers import hf_config
         torch.manual_seed(0)
-        model, model_dir = DeepseekV3ForCausalLM(hf_config(args.preset)).float().eval(), None
+        model, model_dir = DeepseekV3ForCausalLM(diy.hf_config(args.preset)).float().eval(), None
     results: dict = {}
     rng = np.random.default_rng(1)
     if args.no_transformers:
@@ -104,7 +99,7 @@ def run_transformers(args, workdir: Path, lengths: list[int], build_model_dir: b
         bar = tqdm(total=len(plan) * args.repeats, desc="transformers miss+hit", unit="run")
         for n in plan:
             for _ in range(args.repeats):
-                times = diy.measure(model, n, args.suffix, workdir / "prefix_cache.pt", args.drop, rng)
+                times = diy.transformers_repeat(model, n, args.suffix, workdir / "prefix_cache.pt", args.drop, rng)
                 results[str(n)]["repeats"].append(times._asdict())
                 bar.update()
         bar.close()
@@ -187,6 +182,8 @@ def run_stack_requests(args, driver: GatewayDriver, lengths: list[int], stack: B
 
 
 def measure(args) -> dict:
+    if args.url and not (args.admin_token_file and args.model_dir):
+        raise SystemExit("--url needs --admin-token-file and --model-dir (the lower bound runs that model in-process)")
     lengths = parse_lengths(args.lengths)
     for n in lengths:
         if n <= args.suffix or (n - args.suffix) % BLOCK_TOKENS:
@@ -200,9 +197,9 @@ def measure(args) -> dict:
     if not can_drop:
         say("page cache not dropped (--no-drop or not root): 'cold' hits are warm")
     own = not args.url
-    result: dict = {"machine": report.machine(), "preset": args.preset, "lengths": lengths, "suffix": args.suffix,
+    result: dict = {"preset": args.preset, "lengths": lengths, "suffix": args.suffix,
                     "repeats": args.repeats, "own_stack": own, "engines": args.engines if own else None,
-                    "cold_is_cold": can_drop, "load_average_start": os.getloadavg()[0], "phases_s": {},
+                    "cold_is_cold": can_drop, "phases_s": {},
                     "misses": {str(n): misses_at(args, n) for n in lengths}}
     begin = time.perf_counter()
     failed = True
@@ -298,36 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=str(report.OUT / "ttft_bench"), help="work directory (on the device to test)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--no-drop", action="store_true", help="never drop the page cache")
-    parser.add_argument("--name", default="ttft_bench", help="JSON name under bench/out/")
-    parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNGs")
-    parser.add_argument("--report-from", default="", help="only re-render the report from this run's JSON")
-    parser.add_argument("--note", action="append", default=[], help="a line added to the report (repeatable)")
-    args = parser.parse_args(argv)
-    if args.report_from:
-        result = json.loads(Path(args.report_from).read_text())
-        result["notes"] = result.get("notes", []) + args.note
-        result["summary"] = summarize(result)
-        write_report(result, result.get("command", COMMAND))
-        print(tables(result))
+
+    def done(result: dict) -> int:
+        print(table(result))
+        print("\n".join(goals(result)))
         return 0
-    if args.url and not (args.admin_token_file and args.model_dir):
-        parser.error("--url needs --admin-token-file and --model-dir (the lower bound runs that model in-process)")
-    given = list(argv if argv is not None else sys.argv[1:])
-    notes = {i for i, a in enumerate(given) if a == "--note"}
-    shown = [a for i, a in enumerate(given)  # the command as the report shows it: without notes
-             if a != "--no-report" and i not in notes and i - 1 not in notes and not a.startswith("--note=")]
-    command = (COMMAND + " " + " ".join(shown)).strip()
-    result = measure(args)
-    result["command"] = command
-    result["notes"] = args.note
-    path = report.write_json(args.name, result)
-    say(f"wrote {path}")
-    print(tables(result))
-    print("\n".join(goals(result)))
-    if not args.no_report:
-        write_report(result, command)
-        say("wrote bench/results/ttft_*.png and the BENCHMARKS.md section")
-    return 0
+    return report.main(parser, measure, write, name="ttft_bench", command=COMMAND, argv=argv, done=done)
 
 
 if __name__ == "__main__":

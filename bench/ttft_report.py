@@ -1,20 +1,22 @@
-"""ttft_bench's results: per-length summary (medians, spreads, bounds, ratios), markdown tables, the goals,
-the BENCHMARKS.md section and the PNGs."""
+"""ttft_bench's results: the per-length summary (medians, spreads, bounds, ratios), its one table, notes computed
+from it, and its figure (TTFT vs prompt length, hit speed-up, where a hit's time goes)."""
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from bench import report
 
-SECTION = "TTFT (ttft_bench)"
+TITLE = "TTFT: miss and hits through the gateway (ttft_bench)"
 GOAL_SPEEDUP_16K = 26.0
-GOAL_BOUND_RATIO = 1.25  # issue 9: memory and disk hits within 1.25x of their physical lower bound
+GOAL_BOUND_RATIO = 1.25  # memory and disk hits within 1.25x of their physical lower bound
 HITS = ("first_hit", "cold_hit", "warm_hit", "memory_hit")
 HIT_NAMES = {"first_hit": "first hit (fresh stack)", "cold_hit": "cold hit (fresh stack)",
              "warm_hit": "warm disk hit", "memory_hit": "memory hit"}
-# Where each hit's prefix bytes come from, for its physical bound: the device, or RAM (page cache, pool).
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Where each hit's prefix bytes come from, for its physical bound: the device, or RAM (page cache, pool).
 FROM_DEVICE = {"first_hit": True, "cold_hit": True, "warm_hit": False, "memory_hit": False}
 
 
@@ -108,162 +110,134 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def tables(result: dict) -> str:
-    s = result["summary"]
-    ours = report.markdown_table(
-        ["prompt", "miss s", "first hit s (fresh stack)", "cold hit s (fresh stack)", "warm disk hit s",
-         "memory hit s", "miss / cold hit", "fresh stack: start s", "stop s", "engine VmHWM GiB (misses)"],
-        [[_k(r["tokens"]), fmt(r["miss"]), *(fmt(r[kind]) for kind in HITS),
-          f"{r['ratios']['cold_hit']['speedup']:.1f}x",
-          fmt(r["restart"]["start_s"], 1), fmt(r["restart"]["stop_s"], 1),
-          f"{r['engine_peak_rss_bytes'] / 2**30:.1f}" if r["engine_peak_rss_bytes"] else "-"] for r in s])
-    bounds = report.markdown_table(
-        ["prompt", "suffix GFLOP absorbed / expanded", "FLOPs / matmul peak s", "prefix MiB",
-         "prefix / raw device s", "prefix / memcpy s", "physical bound s: disk / RAM",
-         "in-process bound s (load@raw, our compute)"],
-        [[_k(r["tokens"]), f"{r['flops_absorbed'] / 1e9:.1f} / {r['flops_expanded'] / 1e9:.1f}",
-          f"{r['compute_at_peak_s']:.3f}", f"{r['prefix_bytes'] / 2**20:.0f}", f"{r['load_at_raw_s']:.3f}",
-          f"{r['load_at_memcpy_s']:.3f}", f"{r['physical_device_s']:.3f} / {r['physical_ram_s']:.3f}",
-          f"{r['in_process_s']:.3f} ({r['load_at_raw_s']:.3f}, {r['compute']['median']:.3f})"] for r in s])
-    ratios = report.markdown_table(
-        ["prompt", "hit", "TTFT s", "physical bound s", "TTFT / physical bound", "TTFT / in-process bound",
-         "miss / hit"],
-        [[_k(r["tokens"]), HIT_NAMES[kind], fmt(r[kind]), f"{x['physical_s']:.3f}", f"{x['vs_physical']:.2f}x",
-          f"{x['vs_in_process']:.2f}x", f"{x['speedup']:.1f}x"] for r in s for kind, x in r["ratios"].items()])
-    side = report.markdown_table(
-        ["prompt", "DeepInfer miss s", "DeepInfer cold hit s", "transformers miss s", "transformers hit s cold / warm",
-         "transformers miss / hit", "prefix cache on disk: ours / transformers MiB"],
-        [[_k(r["tokens"]), fmt(r["miss"]), fmt(r["cold_hit"]), fmt(r.get("hf_miss")) if not r["hf_skipped"] else
-          f"skipped: {r['hf_skipped']}",
-          f"{fmt(r['hf_cold_hit'])} / {fmt(r['hf_warm_hit'])}" if r.get("hf_cold_hit") else "-",
-          f"{r['hf_speedup']:.1f}x" if r.get("hf_speedup") else "-",
-          f"{r['loaded_bytes'] / 2**20:.0f} / " + (f"{r['hf_cache_file_bytes'] / 2**20:.0f}"
-                                                  if r.get("hf_cache_file_bytes") else "-")] for r in s])
+def _s(spread_: dict | None) -> str:
+    return "-" if not spread_ else f"{spread_['median']:.3f}"
 
-    def secs(value, digits=3):
-        return "-" if value is None else f"{value:.{digits}f}"
-    parts = report.markdown_table(
-        ["prompt", "hit", "client + SSE s", "gateway + HTTP s", "engine compute s", "engine stall s", "engine CPU s",
-         "in-process, prefix in RAM: compute s (its CPU s) / with placing s"],
-        [[_k(r["tokens"]), HIT_NAMES[kind], secs(b["client_s"]), secs(b["gateway_s"]), secs(b["compute_s"]),
-          secs(b["stall_s"]), secs(b["engine_cpu_s"], 2), f"{r['compute']['median']:.3f} ("
-          + (f"{r['compute_cpu']['median']:.2f}" if r.get("compute_cpu") else "-")
-          + f") / {r['placed']['median']:.3f}"]
-         for r in s for kind, b in r["breakdown"].items() if b])
-    return (ours + "\n\nBounds (per prompt length; physical: disk for the fresh-stack hits, RAM for the warm and "
-            "memory hits):\n\n" + bounds + "\n\nEach hit against its bounds (medians):\n\n" + ratios + "\n\n"
-            + side + "\n\nWhere a hit's time goes (medians):\n\n" + parts)
+
+def table(result: dict) -> str:
+    """One row per prompt length: medians of the miss and each hit, the bounds, the transformers baseline."""
+    rows = []
+    for r in result["summary"]:
+        hf = "-" if r["hf_skipped"] else f"{_s(r.get('hf_miss'))} / {_s(r.get('hf_cold_hit'))}"
+        rows.append([_k(r["tokens"]), _s(r["miss"]), *(_s(r[kind]) for kind in HITS),
+                     f"{r['ratios']['cold_hit']['speedup']:.1f}x" if "cold_hit" in r["ratios"] else "-",
+                     f"{r['physical_device_s']:.3f} / {r['physical_ram_s']:.3f}", f"{r['in_process_s']:.3f}", hf])
+    return report.markdown_table(
+        ["prompt", "miss s", "first hit s", "cold hit s", "warm hit s", "memory hit s", "miss / cold hit",
+         "physical bound s (disk / RAM)", "in-process bound s", "transformers miss / cold hit s"], rows)
 
 
 def goals(result: dict) -> list[str]:
-    s = {r["tokens"]: r for r in result["summary"]}
+    """The goals, each with the numbers this run measured."""
     lines = []
-    if 16384 in s:
-        x = s[16384]["ratios"]
-        met = x["cold_hit"]["speedup"] >= GOAL_SPEEDUP_16K
-        lines.append(f"- 16K: cold hit (fresh stack) **{x['cold_hit']['speedup']:.1f}x** faster than a miss; "
-                     f"goal >= {GOAL_SPEEDUP_16K:g}x: {'met' if met else 'NOT met'}")
     for r in result["summary"]:
         x = r["ratios"]
-        memory, disk = r["memory_hit"], r["cold_hit"]
         within = [kind for kind in ("memory_hit", "cold_hit", "warm_hit") if kind in x]
-        met = memory and disk and memory["median"] < disk["median"] and all(
-            x[kind]["vs_physical"] <= GOAL_BOUND_RATIO for kind in within)
-        lines.append(
-            f"- {_k(r['tokens'])}: memory hit {memory['median']:.3f} s vs cold disk hit {disk['median']:.3f} s "
-            f"(warm {r['warm_hit']['median']:.3f} s); TTFT / physical bound: "
-            + ", ".join(f"{HIT_NAMES[kind]} {x[kind]['vs_physical']:.2f}x" for kind in within)
-            + f". Issue 9's goal (memory hit below a disk hit, both within {GOAL_BOUND_RATIO:g}x of their physical "
-              f"bound): {'met' if met else 'NOT met'}")
-    cpu = [(r, r["breakdown"]["cold_hit"]["engine_cpu_s"] / r["compute_cpu"]["median"]) for r in result["summary"]
-           if r["breakdown"].get("cold_hit") and r["breakdown"]["cold_hit"]["engine_cpu_s"] and r.get("compute_cpu")]
-    if cpu:
-        lines.append("- CPU-second check (less bent by other work than wall time): engine CPU during a cold hit / "
-                     "in-process suffix compute with the prefix in RAM: "
-                     + ", ".join(f"{_k(r['tokens'])} {x:.2f}x" for r, x in cpu)
-                     + " (1 = the hit costs exactly the suffix compute)")
-    cut = [f"{_k(r['tokens'])} {r['fallbacks']:.0f}" for r in result["summary"] if r["fallbacks"]]
-    if cut:
-        lines.append("- hits the engine cut short and recomputed (verification failure or load deadline): "
-                     + ", ".join(cut))
+        met = all(x[kind]["vs_physical"] <= GOAL_BOUND_RATIO for kind in within)
+        line = (f"{_k(r['tokens'])}: TTFT / physical bound " + ", ".join(
+            f"{HIT_NAMES[kind]} {x[kind]['vs_physical']:.2f}x" for kind in within)
+            + f" (goal <= {GOAL_BOUND_RATIO:g}x: {'met' if met else 'not met'})")
+        if r["tokens"] == 16384 and "cold_hit" in x:
+            line += (f"; miss / cold hit {x['cold_hit']['speedup']:.1f}x (goal >= {GOAL_SPEEDUP_16K:g}x: "
+                     f"{'met' if x['cold_hit']['speedup'] >= GOAL_SPEEDUP_16K else 'not met'})")
+        lines.append(line)
     return lines
 
 
-def _fewer_misses(result: dict) -> str:
-    fewer = {n: m for n, m in result.get("misses", {}).items() if m < result["repeats"]}
-    if not fewer:
-        return ""
-    return (" (misses: " + ", ".join(f"{m} at {_k(int(n))}" for n, m in fewer.items())
-            + " for time; those lengths' hit repeats reuse the missed prefixes, each with a new suffix)")
-
-
-def write_report(result: dict, command: str) -> None:
-    names = {"length": "ttft_vs_length.png", "speedup": "ttft_hit_speedup.png", "breakdown": "ttft_hit_breakdown.png"}
-    plot_all(result, report.RESULTS, names)
-    raw, peak = result["raw_device"], result["matmul_peak"]
-    restarted = any(r["restart"]["start_s"] for r in result["summary"])
-    body = "\n".join([
-        f"Time to first token through the gateway (client side, streamed, first chunk, `max_tokens` 1), "
-        f"preset `{result['preset']}`, {result['engines'] or '?'} engine(s), bf16 latent cache; each prompt is "
-        f"L - {result['suffix']} tokens of prefix + a {result['suffix']}-token new suffix, fresh random token ids "
-        f"per repeat. Median (min-max) of {result['repeats']} repeats{_fewer_misses(result)}. "
-        + ("Before each repeat's first and cold hit the whole stack is restarted: every process (gateway, engine, "
-           "kvstore, Valkey) stopped, the page cache dropped, the same stack started again on the same data dir "
-           "and its durable index (Valkey's append-only file), the kvstore's start-time reconciliation waited "
-           "for, the page cache dropped again. *First hit* = the fresh stack's first request (another cached "
-           "prefix of the same length: cold disk, and the process's first request of that shape); *cold hit* = "
-           "the next request, page cache dropped once more, the repeat's prefix (a process that never read it). "
-           "Start-up is not in any TTFT; its seconds are in the first table. "
-           if restarted else "No restarts in this run (a stack given with --url): the cold hit is the page cache "
-           "dropped under a running engine, which keeps what it mapped. ")
-        + ("" if result["cold_is_cold"] else "The page cache was NOT dropped in this run (cold = warm). ")
-        + "*Warm disk hit* = the same prefix again with the engine's memory tier emptied (page cache warm); "
-        "*memory hit* = the same prefix again from the engine's pool.",
-        "",
-        f"Physical bound = max(prefix bytes / read bandwidth, the suffix's FLOPs in the cheaper MLA form / matmul "
-        f"peak). FLOPs counted from the model config (bench/ttft_physical_bound.py: q/kv/o projections, attention "
-        f"over prefix + causal suffix, MLP or MoE, LM head for one token; absorbed vs expanded attention). Matmul "
-        f"peak = the faster of a jitted {peak['size']}x{peak['size']} jnp matmul accumulating in float32, with float32 "
-        f"({peak['float32_gflops']:.0f} GFLOP/s) or bfloat16 inputs ({peak['bfloat16_gflops']:.0f} GFLOP/s), best of "
-        f"5, load average {peak['load_average']:.1f} while measured. Read bandwidth: for a prefix on disk (first and "
-        f"cold hits) the raw device, {raw['gbps']:.2f} GB/s (best of dd iflag=direct {raw['dd_gbps']:.2f} and 8 "
-        f"parallel O_DIRECT readers {raw['parallel_gbps']:.2f}, same device); for a prefix in RAM (warm hit: page "
-        f"cache; memory hit: the engine's pool, which attention still reads once) a numpy memcpy, "
-        f"{result['memcpy_gbps']:.1f} GB/s. In-process bound = max(prefix bytes / raw device, our own "
-        "Runner's suffix compute with the prefix's latents already in its pool, in this process, same weights "
-        "served in bfloat16 as the engine serves them): what serving adds. transformers = DeepseekV3ForCausalLM, "
-        "CPU float32 sdpa, "
-        + ("the same weights (converted with model/convert.py); " if result["same_weights"] else
-           "same shapes, its own random weights; ")
-        + "its hit = torch.load of the prefix's DynamicCache + prefill of the suffix.",
-        "", "```", command, "```", "",
-        tables(result), "",
-        *goals(result),
-        f"- machine: {result['machine']}; 1-minute load average {result['load_average_start']:.1f} at the start, "
-        f"{result.get('load_average_end', float('nan')):.1f} at the end (shared machine); whole run "
-        + (f"{result['wall_s'] / 60:.1f} min" if "wall_s" in result else "cut short (partial results)"),
-        "- breakdown from metric deltas around each request (the engine's done-event timing is not passed on by "
-        "the gateway): gateway + HTTP = gateway TTFT histogram - engine TTFT histogram; compute = engine TTFT - "
-        "prefetch stall; client + SSE = client TTFT - gateway TTFT (sending the token-id prompt, SSE framing, "
-        "detokenizing). The timed client is plain HTTP, as curl would be: the openai Python client alone spends "
-        "~157 ms building a request of 16K token ids, which is not the serving stack's time.",
-        *[f"- {note}" for note in result.get("notes", [])],
-        "",
-        f"![TTFT vs prompt length](bench/results/{names['length']})",
-        f"![hit speed-up](bench/results/{names['speedup']})",
-        f"![hit breakdown](bench/results/{names['breakdown']})",
-    ])
-    report.update_section(SECTION, body)
-
-
-def plot_all(result: dict, directory: Path, names: dict[str, str]) -> list[Path]:
-    from bench import ttft_plots
-    directory.mkdir(parents=True, exist_ok=True)
-    title = f"{result['preset']}, {result['suffix']}-token suffix, medians (min-max)"
+def notes(result: dict) -> list[str]:
+    """A few lines, each computed from this run: goals, what was not cold, restarts, cut-short hits."""
     s = result["summary"]
-    ttft_plots.ttft_vs_length(s, directory / names["length"], title)
-    ttft_plots.hit_speedup(s, directory / names["speedup"], title, GOAL_SPEEDUP_16K)
-    ttft_plots.hit_breakdown(s, directory / names["breakdown"], title + ": where a hit's time goes")
-    return [directory / name for name in names.values()]
+    lines = goals(result)
+    spreads = [r[k]["max"] / r[k]["min"] for r in s for k in ("miss", *HITS) if r.get(k) and r[k]["min"] > 0]
+    lines.append(f"medians of {result['repeats']} repeats; the widest spread (max / min) of a cell: "
+                 + (f"{max(spreads):.2f}x" if spreads else "-")
+                 + ("" if result["cold_is_cold"] else "; the page cache was not dropped (cold = warm)"))
+    restarts = [r["restart"]["start_s"]["median"] for r in s if r["restart"]["start_s"]]
+    if restarts:
+        lines.append(f"a fresh stack's start (not in any TTFT): {statistics.median(restarts):.1f} s median")
+    cut = [f"{_k(r['tokens'])} {r['fallbacks']:.0f}" for r in s if r["fallbacks"]]
+    if cut:
+        lines.append("hits the engine cut short and recomputed: " + ", ".join(cut))
+    return lines
 
 
+def write(result: dict) -> None:
+    result["summary"] = summarize(result)  # a run cut short (its _partial JSON, --report-from) has none yet
+    figure = plot(result, f"{result.get('name', 'ttft_bench')}.png")
+    report.section(TITLE, result["command"], result["machine"], table(result), figure, notes(result))
+
+
+# -- the figure --
+
+def _line(ax, summary: list[dict], key: str, label: str, style: str) -> None:
+    rows = [r for r in summary if r.get(key)]
+    if rows:
+        mid = [r[key]["median"] for r in rows]
+        low, high = np.subtract(mid, [r[key]["min"] for r in rows]), np.subtract([r[key]["max"] for r in rows], mid)
+        ax.errorbar([r["tokens"] for r in rows], mid, yerr=[low, high], fmt=style, label=label, capsize=3)
+
+
+def _lengths_axis(ax, summary: list[dict]) -> list[int]:
+    x = [r["tokens"] for r in summary]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [_k(t) for t in x])
+    ax.set_xlabel("prompt tokens (the last ones a new suffix)")
+    return x
+
+
+BREAKDOWN = (("client_s", "client + SSE"), ("gateway_s", "gateway + HTTP"),
+             ("compute_s", "engine compute (incl. placing latents)"), ("stall_s", "engine stall on disk"))
+
+
+def plot(result: dict, path: Path | str) -> str:
+    """Three panels: TTFT vs prompt length with the bounds and the transformers baseline; miss / hit; where each
+    hit's time goes (stacked medians, the bounds marked)."""
+    plt = report.pyplot()
+    s = result["summary"]
+    fig, (length, speedup, parts) = plt.subplots(1, 3, figsize=(21, 5))
+    for key, label, style in (("miss", "miss", "o-"), ("first_hit", HIT_NAMES["first_hit"], "v-"),
+                              ("cold_hit", HIT_NAMES["cold_hit"], "s-"), ("warm_hit", HIT_NAMES["warm_hit"], "^-"),
+                              ("memory_hit", HIT_NAMES["memory_hit"], "d-"), ("hf_miss", "transformers miss", "o:"),
+                              ("hf_cold_hit", "transformers hit (torch.load, cold)", "s:")):
+        _line(length, s, key, label, style)
+    x = _lengths_axis(length, s)
+    length.plot(x, [r["in_process_s"] for r in s], "k--", label="in-process bound")
+    length.plot(x, [r["physical_device_s"] for r in s], "k:", label="physical bound, prefix on disk")
+    length.plot(x, [r["physical_ram_s"] for r in s], color="grey", ls=":", label="physical bound, prefix in RAM")
+    length.set_yscale("log")
+    length.set_ylabel("time to first token, s (log; median, min-max)")
+
+    for kind, style in zip(HITS, ("v-", "s-", "^-", "d-")):
+        points = [(r["tokens"], r["ratios"][kind]["speedup"]) for r in s if kind in r["ratios"]]
+        if points:
+            speedup.plot(*zip(*points), style, label=f"miss / {HIT_NAMES[kind]}")
+    points = [(r["tokens"], r["hf_speedup"]) for r in s if r.get("hf_speedup")]
+    if points:
+        speedup.plot(*zip(*points), "o:", label="transformers miss / cold hit")
+    speedup.axhline(GOAL_SPEEDUP_16K, color="red", lw=0.8, ls="--", label=f"goal {GOAL_SPEEDUP_16K:g}x at 16K")
+    _lengths_axis(speedup, s)
+    speedup.set_ylabel("miss TTFT / hit TTFT (x)")
+
+    kinds = [k for k in HITS if any(r["breakdown"].get(k) for r in s)]
+    width = 0.8 / max(1, len(kinds))
+    at = np.arange(len(s))
+    for i, kind in enumerate(kinds):
+        offset = (i - (len(kinds) - 1) / 2) * width
+        bottom = np.zeros(len(s))
+        for (key, label), color in zip(BREAKDOWN, ("#bbbbbb", "#8fb3de", "#4c72b0", "#dd8452")):
+            values = np.array([(r["breakdown"][kind] or {}).get(key) or 0.0 for r in s])
+            parts.bar(at + offset, values, width * 0.95, bottom=bottom, color=color, edgecolor="white",
+                      label=label if i == 0 else None)
+            bottom += values
+        parts.plot(at + offset, [r["ratios"][kind]["physical_s"] if kind in r["ratios"] else np.nan for r in s],
+                   "kv", label="physical bound" if i == 0 else None)
+        parts.plot(at + offset, [r["in_process_s"] for r in s], "k*", label="in-process bound" if i == 0 else None)
+    short = {"first_hit": "first", "cold_hit": "cold", "warm_hit": "warm", "memory_hit": "mem"}
+    parts.set_xticks(at, [_k(r["tokens"]) + "\n" + " | ".join(short[k] for k in kinds) for r in s])
+    parts.set_ylabel("seconds (medians)")
+    title = f"{result['preset']}, {result['suffix']}-token suffix"
+    for ax, name in ((length, "TTFT"), (speedup, "hit speed-up"), (parts, "where a hit's time goes")):
+        ax.set_title(f"{name}: {title}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return report.save_figure(fig, path)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench import report, ttft_bench, ttft_report
-from bench.ttft_physical_bound import matmul_peak, memcpy_gbps, suffix_flops
+from bench.ttft_bounds import matmul_peak, memcpy_gbps, suffix_flops
 from model.config import preset
 
 
@@ -79,8 +79,8 @@ def test_tiny_run_measures_miss_fresh_stack_hits_bounds_and_baseline(tmp_path):
         assert ratio["vs_physical"] > 0 and ratio["vs_in_process"] > 0 and ratio["speedup"] > 0
         assert ratio["physical_s"] == (row["physical_device_s"] if kind in ("first_hit", "cold_hit")
                                        else row["physical_ram_s"])
-    names = {"length": "a.png", "speedup": "b.png", "breakdown": "c.png"}
-    paths = ttft_report.plot_all(result, tmp_path, names)
-    assert all(p.stat().st_size > 1000 for p in paths)
-    text = ttft_report.tables(result) + "\n".join(ttft_report.goals(result))
-    assert "| 320 | cold hit (fresh stack) |" in text and "Issue 9's goal" in text
+    ttft_report.plot(result, tmp_path / "ttft.png")
+    assert (tmp_path / "ttft.png").stat().st_size > 1000
+    table = ttft_report.table(result)
+    assert table.count("\n| 320 |") == 1 and max(map(len, table.splitlines())) < 200
+    assert any("physical bound" in line and "goal" in line for line in ttft_report.notes(result))
