@@ -206,8 +206,7 @@ async def run(args: argparse.Namespace) -> dict:
         progress("cannot drop the page cache (not root): 'cold' numbers will be warm")
     result: dict = {"geometry": GEOMETRY.as_dict(), "tokens": args.tokens, "volumes": args.volumes,
                     "prefix_bytes": prefix_bytes, "read_ahead": args.read_ahead, "threads": args.threads,
-                    "repeats": args.repeats, "argv": list(args.argv),
-                    "cold_is_cold": can_drop, "machine": report.machine(), "load_average_start": os.getloadavg()[0]}
+                    "repeats": args.repeats, "cold_is_cold": can_drop}
 
     progress(f"raw device: dd iflag=direct over a {args.dd_mib} MiB file in {work}")
     # dd with 4 MiB requests as in the issue; 64 MiB requests and 8 parallel readers keep more of
@@ -286,7 +285,6 @@ async def run(args: argparse.Namespace) -> dict:
     result["naive_cold_gbps"] = prefix_bytes / statistics.median(cold) / 1e9
     result["naive_warm_gbps"] = prefix_bytes / statistics.median(warm) / 1e9
     result["store_cold_vs_raw"] = result["store_cold_gbps"] / result["raw_gbps"]
-    result["load_average_end"] = os.getloadavg()[0]
     shutil.rmtree(work / "volumes", ignore_errors=True)
     shutil.rmtree(work / "naive", ignore_errors=True)
     return result
@@ -298,8 +296,7 @@ async def run_on_volumes(args: argparse.Namespace) -> dict:
     prefix_bytes = n_blocks * GEOMETRY.num_layers * GEOMETRY.block_bytes
     result: dict = {"geometry": GEOMETRY.as_dict(), "tokens": args.tokens, "volume_urls": args.volume,
                     "prefix_bytes": prefix_bytes, "read_ahead": args.read_ahead, "threads": args.threads,
-                    "repeats": args.repeats, "argv": list(args.argv), "machine": report.machine(),
-                    "load_average_start": os.getloadavg()[0]}
+                    "repeats": args.repeats}
     with ValkeyServer(port=free_port()) as valkey:
         client = open_redis(valkey.connection_url)
         index = PrefixIndex(client)
@@ -322,39 +319,21 @@ async def run_on_volumes(args: argparse.Namespace) -> dict:
         await client.aclose()
     result["write_gbps"] = prefix_bytes / statistics.median(writes) / 1e9
     result["read_gbps"] = prefix_bytes / statistics.median(reads) / 1e9
-    result["load_average_end"] = os.getloadavg()[0]
     return result
 
 
 def write_volumes_section(r: dict) -> None:
-    body = "\n".join([
-        f"The same {r['tokens']}-token prefix (mini geometry, {r['prefix_bytes'] / 2**20:.0f} MiB) saved to and read "
-        f"back from {', '.join(f'`{v}`' for v in r['volume_urls'])}: reads through a fresh store, layer by layer "
-        f"(read-ahead {r['read_ahead']} layers, {r['threads']} I/O threads, 4 MiB ranged GETs in parallel), every "
-        f"block verified; medians of {r['repeats']} runs, GB/s = 10^9 bytes/s.",
-        "",
-        "```",
-        "# an S3-compatible server: moto_server -H 127.0.0.1 -p PORT; curl -X PUT http://127.0.0.1:PORT/BUCKET",
-        "# AWS_ENDPOINT_URL=http://127.0.0.1:PORT AWS_REGION=us-east-1, AWS_ACCESS_KEY_ID/SECRET in the environment",
-        " ".join([COMMAND, *r["argv"]]),
-        "```",
-        "",
-        report.markdown_table(["volumes", "write GB/s", "read GB/s"],
-                              [[", ".join(r["volume_urls"]), f"{r['write_gbps']:.3f}", f"{r['read_gbps']:.3f}"]]),
-        "",
-        "- The S3-compatible server in this run is moto in server mode (an in-memory Python server on the same "
-        "2 cores): these numbers show the path works end to end, they are not a measure of S3 or of any real "
-        "object store's speed. Local volumes: the section above.",
-        f"- machine: {r['machine']}; 1-minute load average {r['load_average_start']:.1f} at the start, "
-        f"{r['load_average_end']:.1f} at the end.",
-    ])
-    report.update_section("Block store on object-store volumes (kv_bench --volume)", body)
+    table = report.markdown_table(
+        ["volumes", "prefix MiB", "read-ahead layers", "I/O threads", "write GB/s", "read GB/s"],
+        [[", ".join(f"`{v}`" for v in r["volume_urls"]), f"{r['prefix_bytes'] / 2**20:.0f}", r["read_ahead"],
+          r["threads"], f"{r['write_gbps']:.3f}", f"{r['read_gbps']:.3f}"]])
+    report.section("Block store on object-store volumes (kv_bench --volume)", r["command"], r["machine"], table,
+                   notes=[f"a {r['tokens']}-token prefix (mini geometry) saved, then read layer by layer through a "
+                          f"fresh store, every block verified; medians of {r['repeats']} runs"])
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(result: dict) -> str:
+    plt = report.pyplot()
     labels = ["raw\n(best)", "store\ncold", "store\nwarm", "no populate\ncold", "no populate\nwarm",
               "new arrays\ncold", "new arrays\nwarm",
               "pread\ncold", "pread\nwarm", "tensorstore\ncold", "tensorstore\nwarm", "naive\ncold",
@@ -374,79 +353,38 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("GB/s")
     ax.set_title(f"kv_bench: {result['tokens']}-token prefix, {GEOMETRY.num_layers} layers x 576 x bf16, "
                  f"{result['volumes']} volume(s), layer by layer")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    return report.save_figure(fig, f"{result.get('name', 'kv_bench')}.png")
 
 
-def write_section(result: dict) -> None:
-    r = result
-    rows = [
-        ["raw device, dd iflag=direct bs=4M (1 GiB)", f"{r['raw_dd_direct_4m_gbps']:.2f}", "", ""],
-        ["raw device, dd iflag=direct bs=64M (1 GiB)", f"{r['raw_dd_direct_64m_gbps']:.2f}", "", ""],
-        ["raw device, 8 parallel O_DIRECT readers x 4 MiB", f"{r['raw_parallel_direct_gbps']:.2f}", "", ""],
-        ["store: layer-major segments, mmap copy into a reused staging buffer", f"{r['store_cold_gbps']:.2f}",
-         f"{r['store_warm_gbps']:.2f}", f"{r['store_write_gbps']:.2f}"],
-        ["store: same, without MADV_POPULATE_READ (the copy page-faults)", f"{r['store_no_populate_cold_gbps']:.2f}",
-         f"{r['store_no_populate_warm_gbps']:.2f}", ""],
-        ["store: same, a new array per layer", f"{r['store_fresh_arrays_cold_gbps']:.2f}",
-         f"{r['store_fresh_arrays_warm_gbps']:.2f}", ""],
-        ["store: same, preadv instead of mmap", f"{r['store_pread_cold_gbps']:.2f}",
-         f"{r['store_pread_warm_gbps']:.2f}", ""],
-        ["store: same, read through tensorstore byte ranges", f"{r['store_tensorstore_reads_cold_gbps']:.2f}",
-         f"{r['store_tensorstore_reads_warm_gbps']:.2f}", ""],
-        ["naive layout (72 KiB object per block per layer)", f"{r['naive_cold_gbps']:.2f}",
-         f"{r['naive_warm_gbps']:.2f}", f"{r['naive_write_gbps']:.2f}"],
+def write_section(r: dict) -> None:
+    """One table of read and write bandwidths; notes: the goals, with this run's numbers."""
+    def row(label: str, key: str, write: str = "") -> list[str]:
+        cold, warm = (f"{r[f'{key}_{kind}_gbps']:.2f}" for kind in ("cold", "warm"))
+        return [label, cold, warm, f"{r[write]:.2f}" if write else ""]
+    rows = [["raw device, dd iflag=direct bs=4M", f"{r['raw_dd_direct_4m_gbps']:.2f}", "", ""],
+            ["raw device, dd iflag=direct bs=64M", f"{r['raw_dd_direct_64m_gbps']:.2f}", "", ""],
+            ["raw device, 8 parallel O_DIRECT readers x 4 MiB", f"{r['raw_parallel_direct_gbps']:.2f}", "", ""],
+            row("store: mmap copy into a reused staging buffer", "store", "store_write_gbps"),
+            row("store: without MADV_POPULATE_READ", "store_no_populate"),
+            row("store: a new array per layer", "store_fresh_arrays"),
+            row("store: preadv instead of mmap", "store_pread"),
+            row("store: tensorstore byte ranges", "store_tensorstore_reads"),
+            row("naive layout (one object per block per layer)", "naive", "naive_write_gbps")]
+    table = report.markdown_table(["read path", "cold read GB/s", "warm read GB/s", "write GB/s"], rows)
+    notes = [
+        f"a {r['tokens']}-token prefix ({r['prefix_bytes'] / 2**20:.0f} MiB, mini geometry) read layer by layer "
+        f"through `Prefetch` (read-ahead {r['read_ahead']} layers, {r['threads']} I/O threads, {r['volumes']} "
+        f"volume(s)), every block verified; medians of {r['repeats']} runs"
+        + ("" if r.get("cold_is_cold", True) else "; the page cache was not dropped (cold = warm)"),
+        f"store cold read / best raw row: {r['store_cold_vs_raw'] * 100:.0f}% (goal >= 80%); warm "
+        f"{r['store_warm_gbps']:.2f} GB/s (goal >= 4)",
+        f"prefix-index lookup of 2,000 blocks: {r['lookup_2000_blocks_p50_ms']:.2f} ms p50 (goal < 5); block hashes "
+        f"of 128K tokens: {r['hash_128k_tokens_ms']:.1f} ms (goal < 10)",
+        f"block checks on one core: xxh3-64 {r['checksum_xxh3_gbps']:.1f} GB/s, NaN/Inf scan "
+        f"{r['nonfinite_scan_gbps']:.1f} GB/s, keyed BLAKE2b over the content "
+        f"{r['keyed_blake2b_content_gbps']:.2f} GB/s",
     ]
-    body = "\n".join([
-        f"Mini geometry (8 layers x 576 dims x 64-token blocks, bf16), a {r['tokens']}-token prefix "
-        f"({r['prefix_bytes'] / 2**20:.0f} MiB) read layer by layer through `Prefetch` (read-ahead "
-        f"{r['read_ahead']} layers, {r['threads']} I/O threads, {r['volumes']} volume(s)), every block "
-        "checksum-verified. Cold = page cache dropped before the read. GB/s = 10^9 bytes/s, medians.",
-        "",
-        "```",
-        " ".join([COMMAND, *r["argv"]]) + "   # as root: cold reads drop the page cache",
-        "```",
-        "",
-        report.markdown_table(["", "cold read GB/s", "warm read GB/s", "write GB/s"], rows),
-        "",
-        f"- store cold read / raw device (the best raw row): **{r['store_cold_vs_raw'] * 100:.0f}%** (goal >= 80%); "
-        f"warm: **{r['store_warm_gbps']:.2f} GB/s** (goal >= 4); best of {r['repeats']} runs: cold "
-        f"{r['store_best_cold_gbps']:.2f} GB/s, warm {r['store_best_warm_gbps']:.2f} GB/s",
-        f"- prefix-index lookup, 2,000-block prompt, local Valkey: **{r['lookup_2000_blocks_p50_ms']:.2f} ms** p50 "
-        f"(goal < 5); block hashes of 128K tokens: **{r['hash_128k_tokens_ms']:.1f} ms** (goal < 10)",
-        f"- block checks on one core, 64 cache-resident blocks: xxh3-64 checksum **{r['checksum_xxh3_gbps']:.1f} GB/s**, "
-        f"NaN/Inf scan {r['nonfinite_scan_gbps']:.1f} GB/s; a keyed BLAKE2b over the content would run at "
-        f"{r['keyed_blake2b_content_gbps']:.2f} GB/s, which is why block MACs cover the checksums",
-        f"- writes include fsync and publishing to the index; machine: {r['machine']}; 1-minute load "
-        f"average {r['load_average_start']:.1f} at the start, {r['load_average_end']:.1f} at the end (a shared "
-        "machine: other work competes for the 2 cores and the memory bandwidth)",
-        "",
-        "What decided the layout and the read path:",
-        "- Layer-major segments (up to 64 blocks = 4,096 tokens each) turn one layer of a 32K-token prefix into 8 "
-        "reads of 4.5 MiB instead of 512 reads of 72 KiB; the naive layout row is what the per-block alternative costs.",
-        "- Reading a file volume by copying from a cached read-only mmap of the segment "
-        f"({r['store_cold_gbps']:.2f} / {r['store_warm_gbps']:.2f} GB/s cold / warm here) against preadv "
-        f"({r['store_pread_cold_gbps']:.2f} / {r['store_pread_warm_gbps']:.2f}): checksumming each 64-block chunk "
-        "(4.5 MiB) right after copying it reads it from cache; tensorstore byte-range reads add a copy and stay "
-        "the path for non-file drivers.",
-        "- Before each chunk is copied, one `madvise(MADV_POPULATE_READ)` maps its pages (and starts reading what "
-        "is not cached) instead of a page fault every 64 KiB during the copy: cold "
-        f"{r['store_cold_gbps']:.2f} vs {r['store_no_populate_cold_gbps']:.2f} GB/s without it, warm "
-        f"{r['store_warm_gbps']:.2f} vs {r['store_no_populate_warm_gbps']:.2f}.",
-        "- Warm reads are bound by memory copies on 2 shared cores (the warm goal "
-        f"{'is met' if r['store_warm_gbps'] >= 4 else 'is not met'} in this run at a 1-minute load average of "
-        f"{r['load_average_start']:.1f}; an earlier run at a load average of 3.4 read 2.9 GB/s).",
-        "- A reused staging buffer (`prefetch(hit, out=...)`, what an engine does) against a new array per "
-        f"layer: {r['store_cold_gbps']:.2f} / {r['store_warm_gbps']:.2f} vs {r['store_fresh_arrays_cold_gbps']:.2f} / "
-        f"{r['store_fresh_arrays_warm_gbps']:.2f} GB/s; it spares the engine a 36 MiB allocation per layer.",
-        "- Raw: dd keeps one request in flight; buffered cold reads overlap many (kernel readahead, "
-        f"{r['threads']} threads, {r['read_ahead']} layers in flight), "
-        "so they can beat dd on a virtual disk. The virtual disk's speed also varies from run to run.",
-        "",
-        "![kv_bench](bench/results/kv_bench.png)",
-    ])
-    report.update_section("Block store (kv_bench)", body)
+    report.section("Block store (kv_bench)", r["command"], r["machine"], table, plot(r), notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,30 +396,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-ahead", type=int, default=READ_AHEAD_LAYERS, help="layers in flight")
     parser.add_argument("--threads", type=int, default=IO_THREADS, help="I/O threads")
     parser.add_argument("--dd-mib", type=int, default=1024, help="size of the dd test file")
-    parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNG")
     parser.add_argument("--volume", action="append", default=[],
                         help="measure the store on this volume URL instead (repeatable; e.g. s3://bucket/prefix)")
-    args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
-    if args.volume:
-        result = asyncio.run(run_on_volumes(args))
-        path = report.write_json("kv_bench_volumes", result)
-        progress(f"wrote {path}; write {result['write_gbps']:.3f} GB/s, read {result['read_gbps']:.3f} GB/s")
-        if not args.no_report:
-            write_volumes_section(result)
-            progress("wrote BENCHMARKS.md")
+
+    def measure(args) -> dict:
+        return asyncio.run(run_on_volumes(args) if args.volume else run(args))
+
+    def write(result: dict) -> None:
+        (write_volumes_section if "volume_urls" in result else write_section)(result)
+
+    def done(result: dict) -> int:
+        for key, value in result.items():
+            if isinstance(value, float):
+                print(f"  {key:40s} {value:8.3f}")
         return 0
-    result = asyncio.run(run(args))
-    path = report.write_json("kv_bench", result)
-    progress(f"wrote {path}")
-    if not args.no_report:
-        plot(result, report.RESULTS / "kv_bench.png")
-        write_section(result)
-        progress("wrote bench/results/kv_bench.png and BENCHMARKS.md")
-    for key, value in result.items():
-        if isinstance(value, float):
-            print(f"  {key:40s} {value:8.3f}")
-    return 0
+    return report.main(parser, measure, write, name="kv_bench", command=COMMAND, argv=argv, done=done)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def machine() -> str:
     except (OSError, StopIteration):
         mem_kib = 0
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB RAM; load average {load} (1/5/15 min) at the start"
+    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, {mem_kib / 2**20:.0f} GiB RAM; "
+            f"load average {load} (1/5/15 min) at the start")
 
 
 def write_json(name: str, payload: dict) -> Path:
