@@ -341,12 +341,12 @@ async def peer_sweep(args, sessions, result: dict) -> None:
 
 def measure(args) -> dict:
     sessions = workload(args)
-    result = {"machine": report.machine(), "preset": args.preset, "dtype": args.dtype, "hash_tokens": args.hash_tokens,
+    result = {"preset": args.preset, "dtype": args.dtype, "hash_tokens": args.hash_tokens,
               "max_output": args.max_output, "max_turns": args.max_turns, "sessions": len(sessions),
               "warm_sessions": args.warm_sessions,
               "requests": sum(map(len, sessions)),
               "prompt_tokens_median": statistics.median(len(p) for s in sessions for p, _ in s),
-              "load_average_start": os.getloadavg()[0], "phases": args.phases}
+              "phases": args.phases}
     say(f"{len(sessions)} sessions, {result['requests']} requests, median prompt {result['prompt_tokens_median']} "
         "tokens")
     begin = time.perf_counter()
@@ -403,20 +403,15 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--peer-name", default="llama-server")
     p.add_argument("--peer-model", default="mini", help="the model name the peer serves")
     p.add_argument("--dir", default=None, help="where stacks' data dirs go (default: the system temp dir)")
-    p.add_argument("--name", default="serve_bench")
-    p.add_argument("--no-report", action="store_true", help="write JSON only (no plots, no BENCHMARKS.md)")
-    args = p.parse_args(argv)
-    if args.url and "cache" in args.phases:
-        args.phases.remove("cache")
-    if 512 % args.hash_tokens:
-        raise SystemExit("--hash-tokens must divide 512")
-    result = measure(args)
-    result["command"] = command or report.command_line(COMMAND, argv)
-    report.write_json(args.name, result)
-    if not args.no_report:
-        from bench import serve_report
-        serve_report.write(result, args.name)
-    return 0
+
+    def checked(args) -> dict:
+        if args.url and "cache" in args.phases:
+            args.phases.remove("cache")
+        if 512 % args.hash_tokens:
+            raise SystemExit("--hash-tokens must divide 512")
+        return measure(args)
+    from bench import serve_report
+    return report.main(p, checked, serve_report.write, name="serve_bench", command=COMMAND, argv=argv, shown=command)
 
 
 if __name__ == "__main__":
