@@ -24,10 +24,8 @@ import argparse
 import asyncio
 import math
 import os
-import shlex
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -215,31 +213,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=float, default=6.0, help="live: arrivals this many times faster")
     parser.add_argument("--max-output", type=int, default=8, help="live: answer tokens at most (after scaling)")
     parser.add_argument("--preset", default="tiny", help="live: model preset of the stack")
-    parser.add_argument("--no-report", action="store_true", help="skip BENCHMARKS.md and the PNGs")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def measure(args) -> dict:
     if args.volumes < 1 or args.sessions < 1 or args.max_output < 1 or args.time_scale <= 0:
-        parser.error("--volumes, --sessions, --max-output must be >= 1 and --time-scale > 0")
+        raise SystemExit("--volumes, --sessions, --max-output must be >= 1 and --time-scale > 0")
     if not args.trace.exists():
-        parser.error(f"--trace: {args.trace} does not exist")
-    result = {"command": " ".join(["python -m bench.trace_bench", shlex.join(argv)]).strip(),
-              "machine": report.machine(), "index": index_level(args)}
+        raise SystemExit(f"--trace: {args.trace} does not exist")
+    result = {"index": index_level(args)}
     if not args.no_live:
         result["live"] = live(args)
-    path = report.write_json("trace_bench", result)
-    print(f"wrote {path}")
-    if not args.no_report:
-        from bench.trace_report import write_report
-        write_report(result, HIT_FRACTION)
-    print_summary(result)
-    errors = result.get("live", {}).get("errors", 0)
-    return 1 if errors else 0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.trace_report import write_report
+
+    def done(result: dict) -> int:
+        print_summary(result)
+        return 1 if result.get("live", {}).get("errors", 0) else 0
+    return report.main(build_parser(), measure, lambda result: write_report(result, HIT_FRACTION),
+                       name="trace_bench", command="python -m bench.trace_bench", argv=argv, done=done)
 
 
 def print_summary(result: dict) -> None:

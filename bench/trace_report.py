@@ -1,11 +1,10 @@
-"""trace_bench's plots (bench/results/trace_*.png) and its BENCHMARKS.md section."""
+"""trace_bench's plots (bench/results/trace_*.png) and its two BENCHMARKS.md sections."""
 from __future__ import annotations
 
 import math
 
 from bench import report
 
-TITLE = "Trace replay (trace_bench)"
 HIT_PLOT = report.RESULTS / "trace_hit_ratio.png"
 TTFT_PLOT = report.RESULTS / "trace_ttft.png"
 
@@ -82,7 +81,7 @@ def _s(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
-def index_section(index: dict) -> str:
+def index_table(index: dict) -> str:
     rows = []
     for r in index["capacity"]:
         b = r["bytes"]
@@ -92,116 +91,58 @@ def index_section(index: dict) -> str:
                      f"{_gb(b['mini']['bytes_read'])} / {_gb(b['mini']['bytes_written'])}",
                      f"{_gb(b['deepseek-v3']['bytes_read'])} / {_gb(b['deepseek-v3']['bytes_written'])}",
                      f"{b['deepseek-v3']['read_GBps_avg']:.2f} / {b['deepseek-v3']['written_GBps_avg']:.2f}"])
-    table = report.markdown_table(
+    return report.markdown_table(
         ["capacity (tokens)", "hit ratio", "of ceiling", "requests >= 50% hit", "cached behind a gap",
-         "segments evicted",
-         "mini GB read / written", "V3 GB read / written", "V3 GB/s avg read / write"], rows)
+         "segments evicted", "mini GB read / written", "V3 GB read / written", "V3 GB/s avg read / write"], rows)
+
+
+def index_notes(index: dict) -> list[str]:
     mini, v3 = (index["capacity"][0]["bytes"][g] for g in ("mini", "deepseek-v3"))
-    return (f"Whole trace, index level: {index['requests']:,} requests, {index['input_tokens'] / 1e6:,.1f}M prompt "
-            f"tokens, {index['output_tokens'] / 1e6:,.1f}M answer tokens over {index['trace_seconds'] / 60:.0f} min. "
-            f"Trace ceiling (every prompt token of a hash id seen before): "
-            f"**{index['ceiling']['hit_ratio']:.1%}**. Capacity is split over {index['volumes']} volumes "
-            f"(per-volume budgets, as `deepinfer up`), sized with the {index['sizing_geometry']} geometry "
-            f"(segment headers included).\n\n{table}\n\n"
-            f"A hit token reads {mini['read_bytes_per_hit_token']:,} B (`mini`, 8 layers) or "
-            f"{v3['read_bytes_per_hit_token']:,} B (`deepseek-v3`, 61 layers) of latents; a missed token costs "
-            f"about {v3['written_bytes_per_miss_token'] / 1e3:,.0f} kB written for V3 at the smallest capacity "
-            f"({mini['written_bytes_per_miss_token'] / 1e3:,.1f} kB for mini): a little more than one token's "
-            f"latents, because answer blocks are saved too, segments have headers, and a block the one-token rule "
-            f"or an eviction kept from hitting is saved again. Every request after the first hits the trace's "
-            f"first hash id (512 tokens every request shares), so the table counts requests with at least half of the prompt hit.")
+    notes = [f"whole trace: {index['requests']:,} requests, {index['input_tokens'] / 1e6:,.1f}M prompt tokens, "
+             f"{index['output_tokens'] / 1e6:,.1f}M answer tokens over {index['trace_seconds'] / 60:.0f} min; "
+             f"ceiling (every prompt token of a hash id seen before) {index['ceiling']['hit_ratio']:.1%}; capacity "
+             f"split over {index['volumes']} volumes, sized with the {index['sizing_geometry']} geometry",
+             f"a hit token reads {mini['read_bytes_per_hit_token']:,} B (mini) or {v3['read_bytes_per_hit_token']:,} B "
+             f"(deepseek-v3); a missed token writes {v3['written_bytes_per_miss_token'] / 1e3:,.0f} kB for V3 at the "
+             f"smallest capacity ({mini['written_bytes_per_miss_token'] / 1e3:,.1f} kB for mini)"]
+    unbounded = next((r for r in index["capacity"] if r["capacity_tokens"] is None), None)
+    if unbounded:
+        notes.append(f"unbounded: {unbounded['hit_tokens']:,} hit tokens against the ceiling's "
+                     f"{index['ceiling']['hit_tokens']:,}, in {unbounded['live_blocks'] * 64 / 1e6:,.0f}M tokens "
+                     "of latents")
+    return notes
 
 
-def live_section(live: dict, hit_fraction: float) -> str:
+def live_table(live: dict) -> str:
     t = live["ttft"]
     rows = [[name, t[name]["requests"], f"{t[name]['prompt_tokens_mean']:,.0f}", _s(t[name]["p50_s"]),
              _s(t[name]["p90_s"]), _s(t[name]["p99_s"])] for name in ("hit", "miss", "all")]
-    table = report.markdown_table(["requests", "count", "mean prompt tokens", "TTFT p50 (s)", "p90 (s)", "p99 (s)"],
-                                  rows)
+    return report.markdown_table(["requests", "count", "mean prompt tokens", "TTFT p50 (s)", "p90 (s)", "p99 (s)"],
+                                 rows)
+
+
+def live_notes(live: dict, hit_fraction: float) -> list[str]:
     tp = live["throughput"]
-    errors = f"**{live['errors']} errors**" + (f" ({'; '.join(live['error_examples'])})" if live["errors"] else "")
-    return (f"Live slice: the first {live['sessions']} sessions of >= {live['min_turns']} requests (chosen for "
-            f"multi-turn reuse: not the trace's mix), all their turns ({live['requests']} requests), each hash "
-            f"id {live['hash_tokens']} tokens (lengths / {live['scale']}), answers capped at {live['max_output']} "
-            f"tokens, arrivals {live['time_scale']:g}x faster ({live['arrival_span_s']:.0f} s; load average "
-            f"{live['load_average_at_start']:.1f} on the machine's 2 cores at the start: shared), streaming "
-            f"/v1/completions with token-id prompts to a fresh stack (preset `{live['preset']}`, 1 engine, "
-            f"unbounded volumes). {errors}. Hit ratio **{live['hit_ratio']:.1%}**. The index model predicts "
-            f"{live['predicted_hit_ratio']:.1%} if every save landed before the next arrival, and "
-            f"{live['timed_predicted_hit_ratio']:.1%} with each save landing when this run's request got its "
-            f"first token (prompt blocks) or ended (answer blocks): "
-            f"{live['requests_matching_timed_prediction']} of {live['requests'] - live['errors']} requests hit "
-            f"exactly the tokens it predicts. Throughput over {live['wall_s']:.0f} s: "
-            f"{tp['requests_per_s']:.2f} req/s, {tp['prompt_tokens_per_s']:,.0f} prompt tok/s, "
-            f"{tp['completion_tokens_per_s']:.1f} answer tok/s. A request counts as a hit when >= "
-            f"{hit_fraction:.0%} of its prompt came from the cache.\n\n{table}")
-
-
-def assessment(result: dict) -> str:
-    """Where DeepInfer stands against the trace's ceiling, with this run's numbers."""
-    index = result["index"]
-    ceiling = index["ceiling"]["hit_ratio"]
-    by_label = {r["label"]: r for r in index["capacity"]}
-    unbounded = by_label.get("unbounded")
-    bounded = [r for r in index["capacity"] if r["capacity_tokens"] is not None]
-    v3_row = index["capacity"][0]["bytes"]["deepseek-v3"]["read_bytes_per_hit_token"]
-    lines = ["**Where DeepInfer stands.**"]
-    if unbounded:
-        lines.append(f"With room for everything, DeepInfer's rules reach {unbounded['hit_ratio']:.2%} of prompt "
-                     f"tokens against the trace's ceiling of {ceiling:.2%} ({unbounded['hit_tokens']:,} vs "
-                     f"{index['ceiling']['hit_tokens']:,} tokens): the only losses are the token always left to "
-                     f"prefill and partial last blocks, so 64-token blocks and the lookup rules cost next to "
-                     f"nothing. It needs {unbounded['live_blocks'] * 64 / 1e6:,.0f}M tokens of latents "
-                     f"for the hour ({unbounded['live_blocks'] * 64 * v3_row / 1e12:,.1f} TB at DeepSeek-V3's "
-                     f"{v3_row:,} B per token) and reads "
-                     f"{unbounded['bytes']['deepseek-v3']['read_GBps_avg']:.2f} GB/s on average for V3.")
-    if bounded:
-        lines.append("Capacity is what decides: " + ", ".join(
-            f"{r['label']} tokens keep {r['hit_ratio']:.1%} ({r['hit_ratio'] / ceiling:.0%} of the ceiling)"
-            for r in bounded) + ". Eviction works on whole segments by last hit, per volume; a segment "
-                               "evicted from the middle of a chain cuts off the segments after it (a lookup "
-                               "stops at the first gap), but the prompt tokens still stored behind such a gap "
-                               "are few (" + ", ".join(
-            f"{r['stranded_tokens'] / r['input_tokens']:.1%} at {r['label']}" for r in bounded) + " of prompt "
-            "tokens), so the gap to the ceiling is capacity itself: the trace's reuse reaches back further "
-            "than a small store remembers.")
-    if bounded:
-        small = bounded[0]["bytes"]["deepseek-v3"]
-        lines.append(f"Writes outweigh reads at every capacity: at {bounded[0]['label']} tokens a V3 store would "
-                     f"write {small['bytes_written'] / 1e12:,.1f} TB in the hour to serve "
-                     f"{small['bytes_read'] / 1e12:,.2f} TB of hits ({small['written_GBps_avg']:.1f} GB/s of "
-                     f"writes on average), because every missed block is saved, while {1 - ceiling:.0%} of prompt "
-                     f"tokens are never seen again and, at small capacities, most of the rest is evicted before "
-                     f"its reuse. An admission rule (say, save a block only when it is seen a second time) might cut "
-                     f"that; it is not measured here and not what DeepInfer does today.")
-    lines.append("What this replay cannot see, both of which would raise DeepInfer's real hit ratio above "
-                 "these numbers (and the ceiling with it): answer tokens have no hash ids in the trace, so a next "
-                 "turn's copy of the previous answer is a miss here, although DeepInfer saves answer blocks and "
-                 "would hit them if the next prompt repeats the answer tokens exactly; and the trace's ids are "
-                 "512-token blocks, so where a new id begins with tokens an earlier request had (the previous "
-                 "turn's partial last block, continued), DeepInfer's 64-token blocks would hit up to 448 of them "
-                 "and the trace cannot show it. Saves are assumed to land before the next request arrives; "
-                 "retention TTLs (chat: 7 days) never expire within the hour.")
-    if "live" in result:
-        live = result["live"]
-        lines.append(f"The live slice checks the index model end to end: given when each save really "
-                     f"started, it predicts {live['requests_matching_timed_prediction']} of "
-                     f"{live['requests'] - live['errors']} live requests' hit tokens exactly; the gap to the "
-                     f"unloaded prediction ({live['predicted_hit_ratio']:.1%} vs {live['hit_ratio']:.1%} live) is "
-                     f"later turns arriving while an earlier turn of theirs is still queued or running, which a "
-                     f"slow engine makes more likely. Its TTFTs are the `{live['preset']}` model on this "
-                     f"shared CPU, including queueing behind the opening burst and first-time compilation of new "
-                     f"prompt shapes: a functional check, not a speed claim.")
-    return " ".join(lines)
+    errors = f"{live['errors']} errors" + (f" ({'; '.join(live['error_examples'])})" if live["errors"] else "")
+    return [f"the first {live['sessions']} sessions of >= {live['min_turns']} requests, all their turns "
+            f"({live['requests']} requests), a hash id = {live['hash_tokens']} tokens, answers capped at "
+            f"{live['max_output']} tokens, arrivals {live['time_scale']:g}x faster ({live['arrival_span_s']:.0f} s), "
+            f"preset `{live['preset']}`, one engine; a hit has >= {hit_fraction:.0%} of its prompt cached",
+            f"hit ratio {live['hit_ratio']:.1%}; the index model predicts {live['predicted_hit_ratio']:.1%} unloaded, "
+            f"{live['timed_predicted_hit_ratio']:.1%} with this run's save times, exact for "
+            f"{live['requests_matching_timed_prediction']} of {live['requests'] - live['errors']} requests; {errors}",
+            f"throughput over {live['wall_s']:.0f} s: {tp['requests_per_s']:.2f} req/s, "
+            f"{tp['prompt_tokens_per_s']:,.0f} prompt tok/s, {tp['completion_tokens_per_s']:.1f} answer tok/s"]
 
 
 def write_report(result: dict, hit_fraction: float) -> None:
+    """Two sections, one table each: the whole trace at the index level, and the live slice."""
     index = result["index"]
     plot_hit_ratio(index)
-    parts = [f"Command: `{result['command']}`", f"Machine: {result['machine']}.", index_section(index),
-             f"![trace hit ratio](bench/results/{HIT_PLOT.name})"]
+    report.section("Trace replay: hit ratio against capacity (trace_bench)", result["command"], result["machine"],
+                   index_table(index), HIT_PLOT.name, index_notes(index))
     if "live" in result:
         plot_ttft(result["live"], hit_fraction)
-        parts += [live_section(result["live"], hit_fraction), f"![trace TTFT](bench/results/{TTFT_PLOT.name})"]
-    parts.append(assessment(result))
-    report.update_section(TITLE, "\n\n".join(parts))
+        report.section("Trace replay: a live slice through a stack (trace_bench)", result["command"],
+                       result["machine"], live_table(result["live"]), TTFT_PLOT.name,
+                       live_notes(result["live"], hit_fraction))
