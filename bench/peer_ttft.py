@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -147,7 +146,7 @@ def theirs(args, binary: Path, gguf: Path, model_dir: Path, work: Path) -> dict:
     return out
 
 
-def write_report(result: dict, name: str) -> None:
+def write_report(result: dict) -> None:
     us, peer = result["deepinfer"], result["peer"]
     med = statistics.median
     rows = []
@@ -159,36 +158,25 @@ def write_report(result: dict, name: str) -> None:
         hits = f"{med(us['hit_tokens'][point]):.0f} / {med(peer['hit_tokens'][point]):.0f}"
         rows.append([label, f"{med(a):.3f} ({min(a):.3f}-{max(a):.3f})", f"{med(b):.3f} ({min(b):.3f}-{max(b):.3f})",
                      f"{med(b) / med(a):.2f}x", hits])
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = report.pyplot().subplots(figsize=(7, 4))
     x = np.arange(len(POINTS))
     ax.bar(x - 0.2, [med(us[p]) for p in POINTS], 0.4, label="DeepInfer")
     ax.bar(x + 0.2, [med(peer[p]) for p in POINTS], 0.4, label=result["peer_name"])
     ax.set_xticks(x, POINTS)
     ax.set_yscale("log")
     ax.set_ylabel("TTFT, seconds (log; median)")
-    ax.set_title(f"{result['tokens']} + {result['suffix']} tokens, {result['preset']}: {result['machine']}", fontsize=8)
+    ax.set_title(f"{result['tokens']} + {result['suffix']} tokens, {result['preset']}", fontsize=8)
     ax.legend()
     ax.grid(alpha=0.3, which="both", axis="y")
-    image = report.save_figure(fig, f"{name}.png")
-    body = [f"Command: `{result['command']}` ({result['wall_s'] / 60:.0f} min; load average "
-            f"{result['load_average_start']:.1f} at the start, {result['load_average_end']:.1f} at the end).",
-            f"Machine: {result['machine']}. Model `{result['preset']}`, the same random weights in both: DeepInfer "
-            f"served in {result['dtype']} through its gateway (one engine), {result['peer_name']} from a GGUF at "
-            f"{result['gguf_type']} (one slot, {result['threads']} threads, --load-mode none: its weights read into "
-            f"memory at start). A prompt of "
-            f"{result['tokens']} prefix + {result['suffix']} new tokens, one output token; the median of "
-            f"{result['repeats']} repeats (min-max), a new prefix each repeat. Memory hit: the same prefix with a new "
-            "suffix, the server still up. Disk hit: the same prefix with another new suffix after a restart of "
-            "every process, page cache dropped before and after the start (root: "
-            f"{result['dropped']}); llama-server's is a slot restore from --slot-save-path plus the request.", "",
-            report.markdown_table(["point", "DeepInfer TTFT s", f"{result['peer_name']} TTFT s",
-                                   f"{result['peer_name']} / DeepInfer", "hit tokens (DeepInfer / peer)"], rows), "",
-            f"![peer_ttft](bench/results/{image})"]
-    report.update_section(f"TTFT beside {result['peer_name']} (peer_ttft)", "\n".join(body))
+    image = report.save_figure(fig, f"{result.get('name', 'peer_ttft')}.png")
+    table = report.markdown_table(["point", "DeepInfer TTFT s", f"{result['peer_name']} TTFT s",
+                                   f"{result['peer_name']} / DeepInfer", "hit tokens (DeepInfer / peer)"], rows)
+    notes = [f"model `{result['preset']}`, the same random weights in both: DeepInfer in {result['dtype']} through its "
+             f"gateway, {result['peer_name']} from a GGUF at {result['gguf_type']} ({result['threads']} threads); "
+             f"{result['tokens']} prefix + {result['suffix']} new tokens, one output token, median (min-max) of "
+             f"{result['repeats']} repeats" + ("" if result["dropped"] else "; the page cache was not dropped")]
+    report.section(f"TTFT beside {result['peer_name']} (peer_ttft)", result["command"], result["machine"], table,
+                   image, notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,28 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="", help="work directory (stack data, slot files; default: a temp dir)")
     p.add_argument("--peer-name", default="llama-server")
-    p.add_argument("--name", default="peer_ttft")
-    p.add_argument("--no-report", action="store_true")
-    args = p.parse_args(argv)
-    binary, model_dir, gguf = peer_files(args)
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="peer_ttft_"))
-    work.mkdir(parents=True, exist_ok=True)
-    result = {"machine": report.machine(), "preset": args.preset, "dtype": "bfloat16", "gguf_type": args.gguf_type,
-              "threads": args.threads, "tokens": args.tokens, "suffix": args.suffix, "repeats": args.repeats,
-              "peer_name": args.peer_name, "load_average_start": os.getloadavg()[0], "dropped": drop_caches(),
-              "command": report.command_line(COMMAND, argv)}
-    begin = time.perf_counter()
-    result["deepinfer"] = ours(args, model_dir, work)
-    result["peer"] = theirs(args, binary, gguf, model_dir, work)
-    result["wall_s"] = time.perf_counter() - begin
-    result["load_average_end"] = os.getloadavg()[0]
-    report.write_json(args.name, result)
-    if not args.no_report:
-        write_report(result, args.name)
-    for point in POINTS:
-        say(f"{point}: DeepInfer {statistics.median(result['deepinfer'][point]):.3f} s, {args.peer_name} "
-            f"{statistics.median(result['peer'][point]):.3f} s")
-    return 0
+
+    def measure(args) -> dict:
+        binary, model_dir, gguf = peer_files(args)
+        work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="peer_ttft_"))
+        work.mkdir(parents=True, exist_ok=True)
+        result = {"preset": args.preset, "dtype": "bfloat16", "gguf_type": args.gguf_type, "threads": args.threads,
+                  "tokens": args.tokens, "suffix": args.suffix, "repeats": args.repeats, "peer_name": args.peer_name,
+                  "dropped": drop_caches()}
+        result["deepinfer"] = ours(args, model_dir, work)
+        result["peer"] = theirs(args, binary, gguf, model_dir, work)
+        return result
+
+    def done(result: dict) -> int:
+        for point in POINTS:
+            say(f"{point}: DeepInfer {statistics.median(result['deepinfer'][point]):.3f} s, {result['peer_name']} "
+                f"{statistics.median(result['peer'][point]):.3f} s")
+        return 0
+    return report.main(p, measure, write_report, name="peer_ttft", command=COMMAND, argv=argv, done=done)
 
 
 if __name__ == "__main__":
