@@ -7,7 +7,7 @@ import sys
 
 
 BENCHES = {"ttft": "bench.ttft_bench", "trace": "bench.trace_bench", "serve": "bench.serve_bench",
-           "headline": "bench.headline"}
+           "headline": "bench.headline", "kv": "bench.kv_bench"}
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "api_keys; existing files are kept")
     secrets.add_argument("--dir", default="secrets", help="directory to write them to (default: ./secrets)")
     secrets.set_defaults(run=_secrets)
-    bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace|serve --help`")
+    bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace|serve|headline|kv --help`")
     bench.add_argument("which", choices=sorted(BENCHES))
     return parser
 
