@@ -142,18 +142,24 @@ def model_dir_problem(path: Path, cache_dtype: str) -> str | None:
     return None
 
 
-def redis_problems(url: str, cluster: bool) -> list[str]:
-    """A given Redis URL parses and answers PING within 2 s."""
+def redis_problems(url: str, cluster: bool, password: str | None = None) -> list[str]:
+    """A given Redis URL parses and answers PING within 2 s, as the services' user (URL) with its password."""
     if not url:
         return []
     import redis
 
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        client = redis.Redis.from_url(url, password=password or None, socket_connect_timeout=2.0, socket_timeout=2.0)
     except ValueError as error:
         return [f"--redis-url {url!r} is not a Redis URL ({error}); it looks like redis://HOST:PORT/DB"]
     try:
         client.ping()
+    except (redis.AuthenticationError, redis.ResponseError) as error:
+        if not isinstance(error, redis.AuthenticationError) and "NOAUTH" not in str(error):
+            raise
+        said = "refused the password it was given" if password else "needs a password"
+        return [f"the Redis at --redis-url {url} {said} ({error}); "
+                "give its user's password as DEEPINFER_UP_REDIS_PASSWORD or DEEPINFER_UP_REDIS_PASSWORD_FILE"]
     except redis.RedisError as error:
         kind = "Redis Cluster node" if cluster else "Redis"
         return [f"cannot reach the {kind} at --redis-url {url} ({error}); fix --redis-url, "
@@ -161,6 +167,17 @@ def redis_problems(url: str, cluster: bool) -> list[str]:
     finally:
         client.close()
     return []
+
+
+def _redis_password(cfg: "StackConfig", data_dir: Path) -> str | None:
+    """The password the services will use: given, or the deployment's stored one (None before the first start)."""
+    stored = data_dir / "secrets" / "redis_password"
+    if cfg.redis_password:
+        return cfg.redis_password
+    try:
+        return stored.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def preflight(cfg: "StackConfig", data_dir: Path, volumes: list[str]) -> list[str]:
@@ -171,5 +188,5 @@ def preflight(cfg: "StackConfig", data_dir: Path, volumes: list[str]) -> list[st
     problems += model_problems(cfg)
     problems += port_problems(cfg.host, port_claims(cfg))
     problems += volume_problems(volumes)
-    problems += redis_problems(cfg.redis_url, cfg.redis_cluster)
+    problems += redis_problems(cfg.redis_url, cfg.redis_cluster, _redis_password(cfg, data_dir))
     return problems

