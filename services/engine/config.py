@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvstore.latent_format import check_latent_format
 from model.attention import BACKENDS
 from model.config import check_serving_dtype
 from services.common.config import check_redis_url, load_config, secret_field
@@ -27,6 +28,9 @@ class EngineConfig:
     preset: str = field(default="mini", metadata={"help": "model preset when no model_dir: tiny, mini, ..."})
     models_dir: str = field(default="data/models", metadata={"help": "where preset weights are created on first run"})
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype: bfloat16 or float32"})
+    latent_format: str = field(default="bf16", metadata={
+        "help": "latents on disk: bf16 (as in the pool) or fp8 (c_kv in FP8 with scales: 656 B a token a layer on "
+                "DeepSeek, 1,152 in bf16; a cache of its own)"})
     volumes: list[str] = field(default_factory=list, metadata={
         "flag": "volume", "help": "a cache volume (directory or tensorstore kvstore spec); repeat per SSD"})
     redis_url: str = field(default="", metadata={"help": "prefix index (with --volume); empty disables the cache"})
@@ -65,7 +69,7 @@ class EngineConfig:
                 "times faster on CPUs with matrix units, see BENCHMARKS.md) or float32 (the checkpoint's numerics)"})
     attention: str = field(default="auto", metadata={
         "help": "attention backend (model/attention/): auto (cpu where our CPU kernels serve this machine, else "
-                "xla), xla (plain JAX, every platform) or cpu"})
+                "xla), xla (plain JAX, every platform), cpu, or pallas (the GPU decode kernel)"})
     save_every_tokens: int = field(default=2048, metadata={
         "help": "save a long prefill's full blocks every this many tokens (a cancelled or preempted one keeps them)"})
     prefetch_deadline_factor: float = field(default=1.0, metadata={
@@ -100,6 +104,7 @@ class EngineConfig:
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
         check_serving_dtype(self.dtype)
+        check_latent_format(self.latent_format)
         if self.attention not in ("auto", *BACKENDS):
             raise ValueError(f"attention must be auto, {' or '.join(BACKENDS)}, got {self.attention!r}")
         if self.pool_tokens < 0 or self.pool_gib < 0:

@@ -1,4 +1,5 @@
-"""python -m services.gateway [--engine URL ...] [--api-keys KEY:TENANT,...] ...: run until SIGTERM."""
+"""python -m services.gateway --engine URL [--engine URL ...] ...: run until SIGTERM (API keys come from the
+environment: DEEPINFER_GATEWAY_API_KEYS or DEEPINFER_GATEWAY_API_KEYS_FILE)."""
 from __future__ import annotations
 
 import sys
