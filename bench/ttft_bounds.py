@@ -23,7 +23,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from bench.kv_bench import dd_read_gbps, parallel_direct_read_gbps
 from bench.stack import FIRST_ID, LAST_ID
 from model.config import ModelConfig
 from model.config import preset as preset_config
+
+if TYPE_CHECKING:
+    import torch
 
 PAGE = 64  # tokens per page: the engine's block
 HEADROOM_BYTES = 2 << 30  # left free for the rest of the machine when deciding whether a transformers run fits
