@@ -3,6 +3,7 @@
 Key layout (prefix `p`, root = hex of block 0's hash of the chain):
   p:{root}:b:<16-byte hash>  -> BlockLocation.encode()              TTL = its segment's
   p:{root}:s:<segment id>    -> hash {hashes, volume, tenant, ttl}   TTL = retention TTL
+  p:{root}:n:<16-byte hash>  -> sightings of the block (admission)   TTL = the admission window
 All keys of one chain share the hash tag {root}, so a lookup is ONE script call on one shard,
 in a single Redis and in a cluster alike, and different prompts spread over shards.
 Retention is per segment: a block entry counts only while its segment record lives, and a hit
@@ -61,9 +62,23 @@ for i = 1, n do
   prev_seg, prev_ord = seg, ord
 end
 if run_first then out[#out + 1] = run_first .. '|' .. run_count end
-return table.concat(out, '\\n')
+-- Admission (ARGV[2] = N > 1): one more sighting of every block, counted per chained hash for ARGV[3]
+-- seconds after its last one; admitted = the leading blocks indexed already or seen N times.
+local admit_after, admitted, hit = tonumber(ARGV[2] or '1'), n, 0
+for _, line in ipairs(out) do hit = hit + tonumber(string.match(line, '|(%d+)$')) end
+if admit_after > 1 then
+  admitted = hit
+  for i = 1, n do
+    local key = prefix .. 'n:' .. string.sub(blob, (i - 1) * 16 + 1, i * 16)
+    local seen = redis.call('INCR', key)
+    redis.call('EXPIRE', key, ARGV[3])
+    if i == admitted + 1 and seen >= admit_after then admitted = i end
+  end
+end
+return {table.concat(out, '\\n'), admitted}
 """
-# Each returned line is one run: the run's first block entry plus "|<count>".
+# The first item's lines are the runs: each run's first block entry plus "|<count>"; the second item is
+# how many leading blocks are admitted to disk.
 
 # Delete the block entries of ARGV[1] (concatenated hashes) that still point at segment ARGV[2];
 # with ARGV[3] == '1' also the segment record.
@@ -138,14 +153,18 @@ class PrefixIndex:
     def segment_key(self, root: bytes, segment: str) -> str:
         return f"{self._chain(root)}s:{segment}"
 
-    async def lookup(self, hashes: Sequence[bytes]) -> Hit:
-        """Longest leading run of `hashes` (a prompt's chain from block 0) present in the index."""
+    async def lookup(self, hashes: Sequence[bytes], admit_after: int = 1, admit_window_s: int = 86400) -> Hit:
+        """Longest leading run of `hashes` (a prompt's chain from block 0) present in the index. With
+        `admit_after` N > 1 this is one more sighting of every block (counted per chained hash, for
+        `admit_window_s` after its last), and the hit's `admitted` is how many leading blocks are on
+        disk already or seen N times: the blocks an engine may save."""
         if not hashes:
             return miss()
         root = hashes[0]
-        raw = await self._lookup(keys=[self._chain(root)], args=[b"".join(hashes)])
+        raw, admitted = await self._lookup(keys=[self._chain(root)],
+                                           args=[b"".join(hashes), admit_after, max(1, int(admit_window_s))])
         if not raw:
-            return miss(root)
+            return miss(root)._replace(admitted=int(admitted))
         runs, blocks = [], 0
         for entry in raw.split(b"\n"):
             try:
@@ -156,7 +175,7 @@ class PrefixIndex:
                 break
             runs.append(run)
             blocks += run.count
-        return Hit(root, tuple(hashes[:blocks]), tuple(runs))
+        return Hit(root, tuple(hashes[:blocks]), tuple(runs), max(blocks, int(admitted)))
 
     async def publish(self, root: bytes, hashes: Sequence[bytes], locations: Sequence[BlockLocation],
                       tenant: str, ttl_s: int, *, expire_s: int | None = None, missing_only: bool = False) -> None:

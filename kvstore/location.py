@@ -62,6 +62,7 @@ class Hit(NamedTuple):
     root: bytes
     hashes: tuple[bytes, ...]
     runs: tuple[SegmentRun, ...]
+    admitted: int | None = None  # leading blocks admitted to disk (PrefixIndex.lookup); None: every block
 
     @property
     def blocks(self) -> int:
@@ -79,7 +80,7 @@ class Hit(NamedTuple):
                 break
             runs.append(run._replace(count=min(run.count, left)))
             left -= run.count
-        return Hit(self.root, self.hashes[:blocks], tuple(runs))
+        return Hit(self.root, self.hashes[:blocks], tuple(runs), self.admitted)
 
 
 def miss(root: bytes = b"") -> Hit:

@@ -69,6 +69,7 @@ class StackConfig:
     remote_cache: bool = field(default=False, metadata={
         "help": "engines reach the volumes through the kvstore service"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long to wait for every service"})
+    admit_after: int = field(default=1, metadata={"help": "write a block to disk on its N-th sighting (1: all)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "a sequence's logits are bit-identical whatever shares its steps (slower)"})
     pool_gib: float = field(default=0.0, metadata={
@@ -169,7 +170,7 @@ class Stack:
                     "--budget-bytes", str(int(self.cfg.budget_gib * (1 << 30)))])
             gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port), "--model-dir", model_dir,
                        "--redis-url", self.redis_url if cache else "", "--kvstore-url", self.kvstore_url,
-                       "--log-format", self.cfg.log_format]
+                       "--log-format", self.cfg.log_format, "--admit-after", str(self.cfg.admit_after)]
             gateway += [arg for url in self.engine_urls for arg in ("--engine", url)]
             gateway += [] if self.cfg.api_keys else ["--open-access"]
             if self.cfg.redis_cluster:

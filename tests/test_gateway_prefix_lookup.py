@@ -22,8 +22,8 @@ SALT_KEY = "test-salt-key"
 VOLUME = "00112233aabbccdd"
 
 
-def tokens(n: int) -> list[int]:
-    return [(7 * i + 3) % 100_000 for i in range(n)]
+def tokens(n: int, seed: int = 3) -> list[int]:
+    return [(7 * i + seed) % 100_000 for i in range(n)]
 
 
 async def publish(index: PrefixIndex, hashes: list[bytes]) -> None:
@@ -120,3 +120,48 @@ async def test_no_index_configured_is_a_silent_miss():
     lookup = PrefixLookup(None, 1.0, metrics)
     assert (await lookup.lookup([b"x" * 16], 1000, B)).blocks == 0
     assert metrics.lookup_failures._value.get() == 0
+
+
+async def test_admission_admits_a_block_on_its_nth_sighting_per_chained_hash(index, redis_url):
+    """--admit-after 2: a prompt's blocks are admitted (the engine may write them) on their second sighting;
+    blocks already indexed count as admitted; a new suffix under a seen prefix is not admitted with it."""
+    import redis as sync_redis
+
+    salt = tenant_salt(SALT_KEY, "tenantA")
+    lookup = PrefixLookup(index, 2.0, GatewayMetrics(), admit_after=2, admit_window_s=600)
+    prompt = tokens(5 * B + 1)
+    hashes = block_hashes(prompt, FINGERPRINT, salt, B)
+    first = await lookup.lookup(hashes, len(prompt), B)
+    assert (first.blocks, first.admitted) == (0, 0)
+    assert "save_blocks" in engine_job_body(GenerationJob("r", prompt, Tenant("tenantA", salt), Sampling(None), "chat",
+                                                          (), "messages"), hashes, first, 8)
+    second = await lookup.lookup(hashes, len(prompt), B)
+    assert (second.blocks, second.admitted) == (0, 5)
+    # The same first three blocks, then a suffix nobody sent before: only the shared blocks are admitted.
+    other = prompt[:3 * B] + [t + 1 for t in prompt[3 * B:]]
+    assert (await lookup.lookup(block_hashes(other, FINGERPRINT, salt, B), len(other), B)).admitted == 3
+    # Blocks in the index are on disk already: admitted whatever their count.
+    fresh = tokens(4 * B + 1, seed=7)
+    fresh_hashes = block_hashes(fresh, FINGERPRINT, salt, B)
+    await publish(index, fresh_hashes[:2])
+    hit = await lookup.lookup(fresh_hashes, len(fresh), B)
+    assert (hit.blocks, hit.admitted) == (2, 2)
+    # Sightings expire: every counter carries the window as its TTL.
+    client = sync_redis.Redis.from_url(redis_url)
+    counters = list(client.scan_iter(match="dikv:*:n:*"))
+    assert counters and all(0 < client.ttl(key) <= 600 for key in counters)
+    client.close()
+
+
+async def test_without_admission_no_sightings_are_kept_and_every_block_is_written(index, redis_url):
+    import redis as sync_redis
+
+    lookup = PrefixLookup(index, 2.0, GatewayMetrics())
+    prompt = tokens(3 * B + 1)
+    hit = await lookup.lookup(block_hashes(prompt, FINGERPRINT, "ab" * 16, B), len(prompt), B)
+    assert hit.admitted is None
+    assert "save_blocks" not in engine_job_body(GenerationJob("r", prompt, Tenant("t", "ab" * 16), Sampling(None),
+                                                              "chat", (), "messages"), [], hit, 8)
+    client = sync_redis.Redis.from_url(redis_url)
+    assert not list(client.scan_iter(match="dikv:*:n:*"))
+    client.close()

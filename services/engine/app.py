@@ -147,9 +147,10 @@ def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int
         raise BadJob(str(error), str(error).split(" ", 1)[0]) from None
     token_array = np.asarray(tokens, np.int64)
     digest = _field(body, "logits_digest", bool, False)
+    save_blocks = _field(body, "save_blocks", int, None, low=0, high=INT31)
     return Job(request_id, token_array, tenant, salt,
                _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest,
-               grammar)
+               grammar, save_blocks)
 
 
 def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:

@@ -346,6 +346,8 @@ class Engine:
         if self.tiers.store is not None and self.cfg.save and full > seq.saved_blocks:
             self.tiers.save(seq, seq.block_hashes(full, self.loaded.fingerprint, self.B), full)
 
+        if seq.job.save_blocks is not None:  # admission: blocks seen too few times stay off the disk
+            full = min(full, seq.job.save_blocks)
     def _update_gauges(self) -> None:
         m = self.metrics
         m.queue_depth.set(self.waiting)

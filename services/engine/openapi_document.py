@@ -44,6 +44,8 @@ def _job(vocab_size: int, max_context: int) -> dict:
             "tenant": {"type": "string"},
             "tenant_salt": {"type": "string", "pattern": "^(?:[0-9a-f]{32})?$"},
             "retention": {"type": "string", "enum": list(RETENTION_CLASSES)},
+            "save_blocks": {"type": "integer", "minimum": 0, "maximum": INT31 - 1,
+                            "description": "admission: how many leading full blocks the engine may write to disk"},
             "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT31 - 1}},
             "max_tokens": {"type": "integer", "minimum": 1, "maximum": INT31 - 1},
             "temperature": {"type": "number", "minimum": 0, "maximum": 2},

@@ -27,6 +27,7 @@ class Job(NamedTuple):
     retention: str
     digest: bool = False  # put a SHA-256 of each token's logits (float32 bytes) in its event
     grammar: str | None = None  # llguidance grammar text (model.grammar.grammar_source): decoding is constrained
+    save_blocks: int | None = None  # admission: the leading full blocks it may write to disk (None: every one)
 
 
 class Status(enum.Enum):

@@ -52,6 +52,11 @@ class GatewayConfig:
         "help": "largest request body (a 128K-token conversation is ~0.5 MB of JSON)"})
     lookup_timeout_s: float = field(default=0.5, metadata={
         "help": "seconds a prefix lookup may take before the request is served as a miss"})
+    admit_after: int = field(default=1, metadata={
+        "help": "write a prompt block to disk on its N-th sighting (1: every block; counted per chained block "
+        "hash in the index)"})
+    admit_window_s: float = field(default=86400.0, metadata={
+        "help": "seconds a block's sightings are remembered after its last one (admission)"})
     engine_poll_s: float = field(default=2.0, metadata={
         "help": "seconds between resolutions of the engine names and reads of each engine's /readyz "
         "and /admin/stats"})
@@ -82,7 +87,9 @@ class GatewayConfig:
         for name in ("key_max_concurrent", "key_tokens_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lookup_timeout_s", "engine_poll_s", "engine_connect_timeout_s",
+        if self.admit_after < 1:
+            raise ValueError(f"admit_after must be >= 1, got {self.admit_after}")
+        for name in ("lookup_timeout_s", "admit_window_s", "engine_poll_s", "engine_connect_timeout_s",
                      "first_token_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -205,6 +205,7 @@ def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_token
         # Items are kvstore SegmentRuns as objects; the engine rebuilds the Hit as
         # Hit(hashes[0], hashes[:blocks], tuple(SegmentRun(**item) for item in locations)).
         "hit": {"blocks": hit.blocks, "locations": [run._asdict() for run in hit.runs]},
+        **({} if hit.admitted is None else {"save_blocks": hit.admitted}),  # admission: leading blocks to write
         "max_tokens": max_tokens,
         "temperature": job.sampling.temperature,
         "top_p": job.sampling.top_p,

@@ -22,6 +22,10 @@ class GatewayMetrics:
         self.lookup_failures = Counter("gateway_prefix_lookup_failures_total",
                                        "Prefix index lookups that failed or timed out (served "
                                        "as misses)", registry=r)
+        self.admission_blocks = Counter("gateway_admission_blocks_total",
+                                        "Looked-up blocks not on disk yet, by admission's decision (--admit-after): "
+                                        "admitted (the engine may write them) or deferred (seen too few times)",
+                                        ["decision"], registry=r)
         self.lookup_hit_tokens = Counter("gateway_prefix_lookup_hit_tokens_total",
                                          "Prompt tokens found in the prefix index", registry=r)
         self.engine_failures = Counter("gateway_engine_failures_total",

@@ -66,7 +66,8 @@ class GatewayState:
             self.redis = open_redis(config.redis_url, cluster=config.redis_cluster,
                                     password=config.redis_password)
             index = PrefixIndex(self.redis, config.index_prefix)
-        self.lookup = PrefixLookup(index, config.lookup_timeout_s, self.metrics)
+        self.lookup = PrefixLookup(index, config.lookup_timeout_s, self.metrics, config.admit_after,
+                                   config.admit_window_s)
         self.router = EngineRouter(self.pool, self.lookup, self.metrics, config.default_max_tokens)
         await self.pool.start()
         log.info("gateway ready on %s:%d; engines %s (%d address(es)); prefix index %s", config.host,

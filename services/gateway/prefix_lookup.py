@@ -21,10 +21,12 @@ _FAILURE_LOG_INTERVAL_S = 10.0  # with Redis down every request fails its lookup
 
 
 class PrefixLookup:
-    def __init__(self, index: PrefixIndex | None, timeout_s: float, metrics: GatewayMetrics):
+    def __init__(self, index: PrefixIndex | None, timeout_s: float, metrics: GatewayMetrics,
+                 admit_after: int = 1, admit_window_s: float = 86400.0):
         self._index = index
         self._timeout_s = timeout_s
         self._metrics = metrics
+        self._admit_after, self._admit_window_s = admit_after, admit_window_s
         self._last_failure_log = -_FAILURE_LOG_INTERVAL_S
 
     async def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, block_tokens: int) -> Hit:
@@ -32,7 +34,8 @@ class PrefixLookup:
         if not hashes or self._index is None:
             return miss()
         try:
-            hit = await asyncio.wait_for(self._index.lookup(hashes), self._timeout_s)
+            hit = await asyncio.wait_for(self._index.lookup(hashes, self._admit_after, int(self._admit_window_s)),
+                                         self._timeout_s)
         except Exception as error:  # any index failure is a miss, never the user's error
             self._metrics.lookup_failures.inc()
             now = time.monotonic()
@@ -44,6 +47,10 @@ class PrefixLookup:
             return miss()
         hit = hit.truncated(len(hashes))
         self._metrics.lookup_hit_tokens.inc(hit.blocks * block_tokens)
+        if self._admit_after <= 1:
+            return hit._replace(admitted=None)  # every block is written
+        self._metrics.admission_blocks.labels("admitted").inc(hit.admitted - hit.blocks)
+        self._metrics.admission_blocks.labels("deferred").inc(len(hashes) - hit.admitted)
         return hit
 
     async def ready(self) -> bool:
