@@ -10,7 +10,9 @@ One pass, per volume, under that volume's lease (one reconciler at a time, which
     its retention class and what its expiry leaves (entries a newer save made are kept), and a
     ledger record whose recency stamp is its write time; one past its expiry is recorded in the
     grave and deleted; one younger than `min_age_s` is left to its writer, which publishes after
-    the bytes are durable.
+    the bytes are durable;
+  - a segment its tenant's purge fenced off (an older epoch, purge.stale) is erased, and a purge
+    whose tombstone is still in the index (its driver died half-way) is finished before the volumes.
 A pass works in batches of `concurrency` segments between awaits, so the service keeps serving:
 until a segment is republished its prefixes are misses. Blocking nothing, it can run any time.
 """
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 from .ledger import SegmentRecord
 from .lease import VolumeLease
 from .location import BlockLocation
+from .purge import erase_segment, erase_tenant, stale
 from .reader import read_header
 from .segment import SegmentFormatError, SegmentHeader, SegmentMissing
 
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OUTCOMES = ("known", "republished", "young", "expired", "quarantined", "dangling", "vanished")
+OUTCOMES = ("known", "republished", "young", "expired", "quarantined", "dangling", "vanished", "purged")
 
 
 @dataclass
@@ -46,6 +49,7 @@ class ReconcileReport:
     segments: int = 0                                  # segment objects examined
     outcomes: Counter = field(default_factory=Counter)
     quarantined: list[dict] = field(default_factory=list)  # {"volume", "segment", "reason"}
+    purges: dict[str, int] = field(default_factory=dict)  # tombstones finished: tenant -> epoch
     seconds: float = 0.0
 
     @property
@@ -77,6 +81,7 @@ class Reconciler:
         self.passes = 0
         self.last: ReconcileReport | None = None
         self._running = asyncio.Lock()
+        self._epochs: dict[str, int] = {}  # tenants' purge epochs, read at the start of a pass
         self._loop: asyncio.Task | None = None
 
     @property
@@ -88,6 +93,10 @@ class Reconciler:
         async with self._running:
             report = ReconcileReport()
             started = time.perf_counter()
+            for tenant, epoch in (await self.store.fence.tombstones()).items():
+                await erase_tenant(self.store, tenant, epoch)
+                report.purges[tenant] = epoch
+            self._epochs = await self.store.fence.epochs()
             for vid in self.store.volumes:
                 lease = VolumeLease(self.store.index.redis, self.store.index.prefix, vid, self.lease_ttl_s)
                 async with lease.hold() as taken:
@@ -106,6 +115,7 @@ class Reconciler:
 
     async def _volume(self, vid: str, lease: VolumeLease, report: ReconcileReport) -> None:
         volume = self.store.volumes[vid]
+        await self.store.ledger.count_tenants(vid)
         objects = await volume.segments()  # listed before the ledger is read: see _dangling
         records = {r.segment: r for r in await self.store.ledger.records(vid)}
         await self._dangling(vid, set(objects), records, report)
@@ -150,6 +160,9 @@ class Reconciler:
             report.quarantined.append({"volume": vid, "segment": segment, "reason": problem})
             log.warning("segment %s of volume %s quarantined: %s", segment, vid, problem)
             return "quarantined"
+        if stale(header, self._epochs):
+            await erase_segment(store, vid, segment, header.publication and header.publication.root)
+            return "purged"
         if record is not None:
             return "known"
         return await self._unknown(vid, segment, header)

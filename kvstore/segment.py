@@ -106,13 +106,15 @@ class SegmentPublication(NamedTuple):
     ttl_s: int         # the class's (or the request's) TTL, seconds
     expires_at: int    # unix seconds: written + ttl_s. A hit in the index extends the entry's
                        # life beyond this; the header keeps the expiry as written.
+    epoch: int = 0     # the tenant's purge epoch the save began under (fence.py); older ones are erased
 
     @property
     def written_at(self) -> int:
         return self.expires_at - self.ttl_s
 
     def as_dict(self) -> dict:
-        return {"root": self.root, "retention": self.retention, "ttl_s": self.ttl_s, "expires_at": self.expires_at}
+        return {"root": self.root, "retention": self.retention, "ttl_s": self.ttl_s, "expires_at": self.expires_at,
+                "epoch": self.epoch}
 
 
 class SegmentHeader(NamedTuple):
@@ -221,9 +223,11 @@ def decode_header(raw: bytes) -> SegmentHeader:
 
 
 def _publication(fields: dict) -> SegmentPublication:
-    publication = SegmentPublication(fields["root"], fields["retention"], fields["ttl_s"], fields["expires_at"])
+    publication = SegmentPublication(fields["root"], fields["retention"], fields["ttl_s"], fields["expires_at"],
+                                     fields.get("epoch", 0))
     if (not isinstance(publication.root, bytes) or len(publication.root) != HASH_BYTES
             or not isinstance(publication.retention, str)
-            or not all(isinstance(v, int) and v >= 0 for v in (publication.ttl_s, publication.expires_at))):
+            or not all(isinstance(v, int) and v >= 0
+                       for v in (publication.ttl_s, publication.expires_at, publication.epoch))):
         raise SegmentFormatError(f"malformed publication {fields!r}")
     return publication

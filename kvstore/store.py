@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -15,11 +16,14 @@ from redis.exceptions import RedisError
 from .block_check import nonfinite_blocks
 from .block_mac import BlockMac
 from .capacity import Capacity
+from .fence import TenantFence
 from .geometry import CacheGeometry
 from .index import PrefixIndex
 from .ledger import SegmentRecord, VolumeLedger
 from .location import BlockLocation, Hit
 from .prefetch import Prefetch
+from .purge import erase_segment
+from .quota import Reservation, TenantQuotas
 from .reader import MiB, SegmentReader
 from .retention import RetentionPolicy
 from .segment import SegmentPublication, encode_segment, segment_object_bytes
@@ -55,6 +59,10 @@ class SegmentWriteError(RuntimeError):
     """A save could not make its data durable; nothing of it was published."""
 
 
+class TenantPurged(SegmentWriteError):
+    """The tenant's cache was purged since the save's request began (fence.py): nothing of it stays."""
+
+
 class BlockStore(SegmentReader):
     """Latent blocks of prompt prefixes on tensorstore volumes, found through a PrefixIndex.
 
@@ -85,6 +93,8 @@ class BlockStore(SegmentReader):
         self.max_segment_blocks = max_segment_blocks
         self.read_ahead = read_ahead
         self.capacity = Capacity(self, budget_bytes, reader_grace_s)
+        self.fence = TenantFence(index.redis, index.prefix)
+        self.quotas = TenantQuotas(self)
         self._next_volume = 0
         self._resting_until: dict[str, float] = {}  # volume id -> monotonic time; a write failed there
         self._background: set[asyncio.Task] = set()
@@ -97,6 +107,10 @@ class BlockStore(SegmentReader):
         pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-io")
         opened = [await Volume.open(v, pool, read_mode) for v in volumes]
         ledger = VolumeLedger(index.redis, index.prefix)
+        try:  # a ledger older than per-tenant counts; else reconciliation counts it
+            await asyncio.gather(*(ledger.count_tenants(v.id) for v in opened))
+        except RedisError as e:
+            log.warning("could not count the ledger's segments per tenant yet: %s", e)
         return cls(opened, geometry, fingerprint, index, ledger, pool, **options)
 
     async def close(self) -> None:
@@ -111,12 +125,16 @@ class BlockStore(SegmentReader):
     # ---- save -------------------------------------------------------------------------------
 
     async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,
-                   tenant: str = "", retention: str = "chat", ttl_s: int | None = None) -> SaveResult:
+                   tenant: str = "", retention: str = "chat", ttl_s: int | None = None,
+                   epoch: int | None = None) -> SaveResult:
         """Store blocks start_block..len(hashes)-1 of a chain; `hashes` is the chain from block 0.
+        `epoch`: the tenant's purge epoch the request began under (fence.py; None: the current one);
+        the bytes are held in the tenant's quota (quota.py) until published.
 
         `layers[l]` is (n_new_blocks * block_tokens, latent_dim) in cache dtype.
         Raises ValueError naming a bad argument, SegmentWriteError if the data could not be
-        made durable or published (then no unpublished data is left behind).
+        made durable or published (then no unpublished data is left behind), TenantPurged if the
+        tenant was purged since `epoch` (then nothing of it is left behind).
         """
         if not self.mac.keyed:
             self.stats.write_failures += 1
@@ -124,23 +142,49 @@ class BlockStore(SegmentReader):
         ttl = self.retention.ttl_s(retention, ttl_s)
         new = self._check_save(hashes, layers, start_block)
         spans = [(first, min(self.max_segment_blocks, new - first)) for first in range(0, new, self.max_segment_blocks)]
-        try:
-            volumes = await self._place([self._segment_bytes(count, tenant) for _, count in spans])
-        except RedisError as e:
-            self.stats.write_failures += 1
-            raise SegmentWriteError(f"the index is unreachable, nothing written: {e}") from e
-        bt = self.geometry.block_tokens
-        publication = SegmentPublication(hashes[0], retention, ttl, int(time.time()) + ttl)
-        written = await self._write_all([
-            self._write_segment(volume, first, hashes[start_block + first:start_block + first + count],
-                                [x[first * bt:(first + count) * bt] for x in layers], tenant, publication)
-            for (first, count), volume in zip(spans, volumes)])
-        await self._publish_all(hashes, start_block, written, tenant, ttl)
+        sizes = [self._segment_bytes(count, tenant) for _, count in spans]
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                epoch = await self._epoch(tenant, epoch)
+                room = await held.enter_async_context(self.quotas.room(tenant, sum(sizes)))
+                volumes = await self._place(sizes)
+            except RedisError as e:
+                self.stats.write_failures += 1
+                raise SegmentWriteError(f"the index is unreachable, nothing written: {e}") from e
+            bt = self.geometry.block_tokens
+            publication = SegmentPublication(hashes[0], retention, ttl, int(time.time()) + ttl, epoch)
+            written = await self._write_all([
+                self._write_segment(volume, first, hashes[start_block + first:start_block + first + count],
+                                    [x[first * bt:(first + count) * bt] for x in layers], tenant, publication)
+                for (first, count), volume in zip(spans, volumes)])
+            await self._publish_all(hashes, start_block, written, tenant, ttl, room)
+        await self._recheck(tenant, epoch, hashes[0], written)
         total = sum(w.bytes for w in written)
         self.stats.blocks_written += new
         self.stats.segments_written += len(written)
         self.stats.bytes_written += total
         return SaveResult(new, tuple(w.segment for w in written), total)
+
+    async def _epoch(self, tenant: str, epoch: int | None) -> int:
+        """The epoch the save is written under: `epoch` unless the tenant was purged since (TenantPurged)."""
+        current = await self.fence.epoch(tenant)
+        if epoch is not None and epoch < current:
+            self.stats.write_failures += 1
+            raise TenantPurged(f"tenant {tenant!r} was purged since this save's request began")
+        return current if epoch is None else epoch
+
+    async def _recheck(self, tenant: str, epoch: int, root: bytes, written: list[_Written]) -> None:
+        """After publishing: a purge that began meanwhile either listed these segments (and erases
+        them) or began after this read; if the epoch moved, the save erases its own segments."""
+        try:
+            if await self.fence.epoch(tenant) == epoch:
+                return
+            for w in written:
+                await erase_segment(self, w.volume.id, w.segment, root)
+        except RedisError as e:  # reconciliation erases segments of a stale epoch (purge.stale)
+            raise SegmentWriteError(f"could not check the tenant's epoch after publishing: {e}") from e
+        self.stats.write_failures += 1
+        raise TenantPurged(f"tenant {tenant!r} was purged while this save was in flight: withdrawn")
 
     async def _write_all(self, writes: list) -> list[_Written]:
         """Run the segment writes; if any fails, delete the others and raise SegmentWriteError."""
@@ -153,12 +197,14 @@ class BlockStore(SegmentReader):
         return results
 
     async def _publish_all(self, hashes: Sequence[bytes], start_block: int, written: list[_Written],
-                           tenant: str, ttl: int) -> None:
-        """Ledger record, then index entries, per segment in block order (the data is durable)."""
+                           tenant: str, ttl: int, room: Reservation) -> None:
+        """Ledger record (its bytes leave the quota reservation), then index entries, per segment in
+        block order (the data is durable)."""
         root = hashes[0]
         for done, w in enumerate(written):
             try:
-                await self.ledger.add(w.volume.id, SegmentRecord(w.segment, root, w.bytes, tenant))
+                await room.counted(self._segment_bytes(w.count, tenant),
+                                   self.ledger.add(w.volume.id, SegmentRecord(w.segment, root, w.bytes, tenant)))
                 first = start_block + w.first
                 locations = [BlockLocation(w.volume.id, w.segment, i, w.count, w.data_offset) for i in range(w.count)]
                 await self.index.publish(root, hashes[first:first + w.count], locations, tenant, ttl)
