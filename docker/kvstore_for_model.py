@@ -4,8 +4,8 @@ The kvstore must be started with the model fingerprint (config, cache dtype and 
 which only the saved model knows; `deepinfer up` reads it in-process, a container cannot. This
 reads MODEL_DIR's config.json and meta.json (no weights), refuses geometry flags that disagree
 with the model, and execs `python -m services.kvstore` with `--fingerprint` added, and
-`--num-layers` / `--latent-dim` from the model where they are not given (one compose file serves
-every preset).
+`--num-layers` / `--latent-dim` / `--rope-dim` from the model where they are not given (one compose
+file serves every preset).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def kvstore_argv(model_dir: str, argv: Sequence[str], env: Mapping[str, str]) ->
     """`argv` plus `--fingerprint` of the model in `model_dir`; ValueError if the geometry disagrees."""
     if any(arg == "--fingerprint" or arg.startswith("--fingerprint=") for arg in argv):
         raise ValueError("--fingerprint is read from the model directory; do not pass it")
-    geometry = ("--num-layers", "--latent-dim")
+    geometry = ("--num-layers", "--latent-dim", "--rope-dim")
     given = {flag for flag in geometry if any(arg == flag or arg.startswith(flag + "=") for arg in argv)
              or env_name("kvstore", flag[2:].replace("-", "_")) in env}
     placeholders = [word for flag in geometry if flag not in given for word in (flag, "1")]
@@ -30,7 +30,8 @@ def kvstore_argv(model_dir: str, argv: Sequence[str], env: Mapping[str, str]) ->
     model, fingerprint = read_identity(model_dir, declared.dtype)
     added = []
     for flag, declared_value, actual in (("--num-layers", declared.num_layers, model.num_layers),
-                                         ("--latent-dim", declared.latent_dim, model.latent_dim)):
+                                         ("--latent-dim", declared.latent_dim, model.latent_dim),
+                                         ("--rope-dim", declared.rope_dim, model.qk_rope_head_dim)):
         if flag not in given:
             added += [flag, str(actual)]
         elif declared_value != actual:

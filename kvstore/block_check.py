@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+from .geometry import CacheGeometry
+
 CHECKSUM = "xxh3_64"
 
 # dtype name -> (signed view, unsigned view, smallest bit pattern of a positive Inf/NaN, of a negative one).
@@ -43,3 +45,12 @@ def nonfinite_blocks(rows: np.ndarray, block_tokens: int, dtype: str) -> np.ndar
     positive = rows.view(signed).reshape(n_blocks, -1).max(axis=1) >= positive_limit
     negative = rows.view(unsigned).reshape(n_blocks, -1).max(axis=1) >= negative_limit
     return positive | negative
+
+
+def nonfinite_stored_blocks(rows: np.ndarray, g: CacheGeometry) -> np.ndarray:
+    """nonfinite_blocks of stored rows (n_blocks * block_tokens, g.row_width) in g.row_dtype: in the fp8 format, of
+    each part of a row (c_kv, scales, k_pe) at its own dtype."""
+    if not g.fp8_dims:
+        return nonfinite_blocks(rows, g.block_tokens, g.dtype)
+    return np.logical_or.reduce([nonfinite_blocks(rows[:, a:b].view(_NONFINITE_FROM[dtype][1]), g.block_tokens, dtype)
+                                 for a, b, dtype in g.row_parts])

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 class LayerRead(NamedTuple):
-    latents: np.ndarray          # (valid_blocks * block_tokens, latent_dim), cache dtype
+    latents: np.ndarray          # (valid_blocks * block_tokens, row_width) stored rows, geometry.row_dtype
     valid_blocks: int
 
 
@@ -30,15 +30,15 @@ class LayerSource(Protocol):
         """Start reading `hit`: (context for read_layer, leading blocks that may be valid)."""
 
     async def read_layer(self, hit: Hit, layer: int, context: Any = None, out: np.ndarray | None = None) -> LayerRead:
-        """One layer of `hit`'s leading blocks, verified; into `out` (tokens, latent_dim) if given."""
+        """One layer of `hit`'s leading blocks, verified; into `out` (tokens, row_width) if given."""
 
     def end_read(self, hit: Hit) -> None:
         """The prefetch of `hit` is over (its segments may be deleted now)."""
 
 
 class LayerBuffers(Protocol):
-    """Where a Prefetch reads each layer: `await take(l)` gives a C-contiguous (>= hit tokens, latent_dim) array
-    in cache dtype, waiting while it has none free (an engine's staging slots, freed as it places layers)."""
+    """Where a Prefetch reads each layer: `await take(l)` gives a C-contiguous (>= hit tokens, row_width) array
+    in row_dtype, waiting while it has none free (an engine's staging slots, freed as it places layers)."""
 
     async def take(self, layer: int) -> np.ndarray: ...
 
@@ -46,11 +46,12 @@ class LayerBuffers(Protocol):
 class Prefetch:
     """Reads every layer of `hit`, at most `read_ahead` layers in flight, starting at once.
 
-    With `out` (num_layers, >= hit tokens, latent_dim), e.g. an engine's reused staging buffer,
+    With `out` (num_layers, >= hit tokens, row_width), e.g. an engine's reused staging buffer,
     layer l is read into out[l] and layer(l) returns a view of it: no fresh memory per read. `out`
     may also be LayerBuffers, which hand out a buffer per layer as the consumer frees them.
 
-    Invariants: `await layer(l)` returns (tokens, latent_dim) in cache dtype holding only
+    Stored rows (geometry.py) are latents in cache dtype, or fp8 rows of row_bytes in the fp8 format.
+    Invariants: `await layer(l)` returns (tokens, row_width) stored rows holding only
     verified rows, tokens a multiple of block_tokens and never more than any earlier layer's;
     a cache fault (missing or corrupt data, wrong fingerprint, a service down) only shortens
     the result and never raises. The prefix the caller may use for every layer is
@@ -60,11 +61,11 @@ class Prefetch:
     def __init__(self, source: LayerSource, hit: Hit, read_ahead: int,
                  out: np.ndarray | LayerBuffers | None = None) -> None:
         g = source.geometry
-        if isinstance(out, np.ndarray) and (out.dtype != g.np_dtype or out.ndim != 3 or out.shape[0] != g.num_layers
-                                or out.shape[1] < hit.blocks * g.block_tokens or out.shape[2] != g.latent_dim
+        if isinstance(out, np.ndarray) and (out.dtype != g.row_dtype or out.ndim != 3 or out.shape[0] != g.num_layers
+                                or out.shape[1] < hit.blocks * g.block_tokens or out.shape[2] != g.row_width
                                 or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous ({g.num_layers}, >= {hit.blocks * g.block_tokens}, "
-                             f"{g.latent_dim}) {g.dtype} array, got {out.shape} {out.dtype}")
+                             f"{g.row_width}) {g.row_dtype} array, got {out.shape} {out.dtype}")
         self.hit = hit
         self._out = out
         self._source = source
@@ -109,7 +110,7 @@ class Prefetch:
             self._slots.release()
 
     def _fail_rest(self) -> None:
-        empty = np.empty((0, self._geometry.latent_dim), self._geometry.np_dtype)
+        empty = np.empty((0, self._geometry.row_width), self._geometry.row_dtype)
         for fut in self._layers:
             if not fut.done():
                 fut.set_result(empty)
@@ -123,7 +124,7 @@ class Prefetch:
         return self._layers[layer].result()
 
     async def layer(self, layer: int) -> np.ndarray:
-        """(tokens, latent_dim) latents of `layer`; tokens <= hit.blocks * block_tokens."""
+        """(tokens, row_width) stored rows of `layer`; tokens <= hit.blocks * block_tokens."""
         return await asyncio.shield(self._layers[layer])
 
     async def valid_tokens(self) -> int:

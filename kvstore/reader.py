@@ -127,14 +127,14 @@ class SegmentReader:
                          out: np.ndarray | None = None) -> LayerRead:
         """Layer `layer` of the hit's leading valid blocks, every block checksum-verified.
 
-        Reads into `out` (>= tokens, latent_dim) when given, else into a new array.
+        Reads into `out` (>= tokens, row_width) stored rows when given, else into a new array.
         """
         started = time.perf_counter()
         g = self.geometry
         check = check or await self.verified_headers(hit)
         blocks = min(hit.blocks, check.valid_blocks)
         if out is None:
-            out = np.empty((blocks * g.block_tokens, g.latent_dim), g.np_dtype)  # (tokens, latent_dim)
+            out = np.empty((blocks * g.block_tokens, g.row_width), g.row_dtype)  # (tokens, row_width)
         reads, block = [], 0
         for run in hit.truncated(blocks).runs:
             rows = out[block * g.block_tokens:(block + run.count) * g.block_tokens]
@@ -164,7 +164,7 @@ class SegmentReader:
 
     async def _read_run(self, run: SegmentRun, layer: int, rows: np.ndarray,
                         header: SegmentHeader) -> BlockFault | None:
-        """Read one run's layer into `rows` (run.count * block_tokens, latent_dim), verifying each
+        """Read one run's layer into `rows` (run.count * block_tokens, row_width), verifying each
         block; its first missing or bad block (index in the run), or None."""
         g = self.geometry
         volume = self.volumes[run.volume]
@@ -173,7 +173,7 @@ class SegmentReader:
         loop = asyncio.get_running_loop()
         if volume.read_mode == "mmap":
             def copy() -> int | None:
-                return copy_verified(volume.mapped(run.segment), start, rows, expected, g.block_tokens, g.dtype)
+                return copy_verified(volume.mapped(run.segment), start, rows, expected, g)
             return await loop.run_in_executor(self._pool, copy)
         buffer = memoryview(rows.reshape(-1).view(np.uint8))
         step = max(g.block_bytes, self.read_chunk_bytes // g.block_bytes * g.block_bytes)
@@ -183,8 +183,7 @@ class SegmentReader:
         short = [o + n for o, n in zip(offsets, got) if n < min(step, len(buffer) - o)]
         complete = min(short) // g.block_bytes if short else run.count  # blocks fully read
         bt = g.block_tokens
-        fault = await loop.run_in_executor(self._pool, check_blocks, rows[:complete * bt], expected[:complete], bt,
-                                           g.dtype)
+        fault = await loop.run_in_executor(self._pool, check_blocks, rows[:complete * bt], expected[:complete], g)
         if fault is not None:
             return fault
         return None if complete == run.count else BlockFault(complete, "short")

@@ -9,7 +9,8 @@ Object layout (bytes):
   [.., data_offset) zero padding to a 4 KiB boundary
   [data_offset, ..) latents, layer-major: layer l is bytes
                     [data_offset + l * n_blocks * block_bytes, + n_blocks * block_bytes),
-                    i.e. (n_blocks * block_tokens, latent_dim) rows in cache dtype.
+                    i.e. (n_blocks * block_tokens, row_width) stored rows (geometry.py: latents in cache
+                    dtype, or fp8 rows of row_bytes in the fp8 latent format).
 So one layer of a run of consecutive blocks is one contiguous byte range.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple, Sequence
 import msgpack
 import numpy as np
 
-from .block_check import CHECKSUM, block_checksums, nonfinite_blocks
+from .block_check import CHECKSUM, block_checksums, nonfinite_stored_blocks
 from .block_mac import MAC_BYTES, BlockMac
 from .geometry import CacheGeometry
 from .hashing import HASH_BYTES
@@ -60,10 +61,10 @@ class BlockFault(NamedTuple):
     reason: str
 
 
-def check_blocks(rows: np.ndarray, expected: np.ndarray, block_tokens: int, dtype: str) -> BlockFault | None:
-    """Verify blocks already in `rows` (n_blocks * block_tokens, latent_dim) against `expected` (n_blocks,)."""
-    bad = np.flatnonzero(block_checksums(rows, block_tokens) != expected)
-    nonfinite = np.flatnonzero(nonfinite_blocks(rows, block_tokens, dtype))
+def check_blocks(rows: np.ndarray, expected: np.ndarray, geometry: CacheGeometry) -> BlockFault | None:
+    """Verify blocks already in `rows` (n_blocks * block_tokens, row_width) against `expected` (n_blocks,)."""
+    bad = np.flatnonzero(block_checksums(rows, geometry.block_tokens) != expected)
+    nonfinite = np.flatnonzero(nonfinite_stored_blocks(rows, geometry))
     first_bad = int(bad[0]) if bad.size else len(expected)
     first_nonfinite = int(nonfinite[0]) if nonfinite.size else len(expected)
     if first_bad == first_nonfinite == len(expected):
@@ -71,9 +72,9 @@ def check_blocks(rows: np.ndarray, expected: np.ndarray, block_tokens: int, dtyp
     return BlockFault(first_bad, "checksum") if first_bad <= first_nonfinite else BlockFault(first_nonfinite, "nonfinite")
 
 
-def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np.ndarray, block_tokens: int,
-                  dtype: str, chunk_blocks: int = 64) -> BlockFault | None:
-    """Copy len(expected) blocks from source[start:] into `rows` (n_blocks * block_tokens, latent_dim),
+def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np.ndarray, geometry: CacheGeometry,
+                  chunk_blocks: int = 64) -> BlockFault | None:
+    """Copy len(expected) blocks from source[start:] into `rows` (n_blocks * block_tokens, row_width),
     verifying each block (checksum against `expected` (n_blocks,), finite values) right after
     copying it, a chunk at a time (64 blocks = 4.5 MiB at the default geometry: still in the
     last-level cache; smaller chunks measured slower from per-call overhead). A mapped source has
@@ -87,12 +88,12 @@ def copy_verified(source: memoryview, start: int, rows: np.ndarray, expected: np
     available = max(0, min(n_blocks, (len(source) - start) // block_bytes))
     src = np.frombuffer(source, np.uint8, count=available * block_bytes, offset=start) if available else None
     dst = rows.reshape(-1).view(np.uint8)
-    bt = block_tokens
+    bt = geometry.block_tokens
     for a in range(0, available, chunk_blocks):
         b = min(available, a + chunk_blocks)
         populate(source, start + a * block_bytes, (b - a) * block_bytes)
         dst[a * block_bytes:b * block_bytes] = src[a * block_bytes:b * block_bytes]
-        fault = check_blocks(rows[a * bt:b * bt], expected[a:b], bt, dtype)
+        fault = check_blocks(rows[a * bt:b * bt], expected[a:b], geometry)
         if fault is not None:
             return BlockFault(a + fault.block, fault.reason)
     return None if available == n_blocks else BlockFault(available, "short")
@@ -148,7 +149,7 @@ def segment_object_bytes(geometry: CacheGeometry, fingerprint: str, tenant: str,
 def encode_segment(fingerprint: str, geometry: CacheGeometry, tenant: str, hashes: Sequence[bytes],
                    layers: Sequence[np.ndarray], mac: BlockMac, *,
                    publication: SegmentPublication | None = None) -> tuple[bytes, int]:
-    """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, latent_dim)."""
+    """(segment object bytes, data_offset). `layers[l]` is (len(hashes) * block_tokens, row_width) stored rows."""
     checksums = np.stack([block_checksums(np.ascontiguousarray(x), geometry.block_tokens) for x in layers])
     head = encode_header(fingerprint, geometry, tenant, hashes, checksums, mac, publication=publication)
     parts = [head] + [np.ascontiguousarray(x).view(np.uint8).data for x in layers]

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from redis.exceptions import RedisError
 
-from .block_check import nonfinite_blocks
+from .block_check import nonfinite_stored_blocks
 from .block_mac import BlockMac
 from .capacity import Capacity
 from .fence import TenantFence
@@ -131,7 +131,8 @@ class BlockStore(SegmentReader):
         `epoch`: the tenant's purge epoch the request began under (fence.py; None: the current one);
         the bytes are held in the tenant's quota (quota.py) until published.
 
-        `layers[l]` is (n_new_blocks * block_tokens, latent_dim) in cache dtype.
+        `layers[l]` is (n_new_blocks * block_tokens, row_width) stored rows in row_dtype (geometry.py: latents in
+        cache dtype, or fp8 rows).
         Raises ValueError naming a bad argument, SegmentWriteError if the data could not be
         made durable or published (then no unpublished data is left behind), TenantPurged if the
         tenant was purged since `epoch` (then nothing of it is left behind).
@@ -223,13 +224,13 @@ class BlockStore(SegmentReader):
         if len(layers) != g.num_layers:
             raise ValueError(f"layers must have {g.num_layers} entries, got {len(layers)}")
         new = len(hashes) - start_block
-        want = (new * g.block_tokens, g.latent_dim)
+        want = (new * g.block_tokens, g.row_width)
         for i, x in enumerate(layers):
             if not isinstance(x, np.ndarray) or x.shape != want:
                 raise ValueError(f"layers[{i}] must have shape {want}, got {getattr(x, 'shape', type(x))}")
-            if x.dtype != g.np_dtype:
-                raise ValueError(f"layers[{i}] must have dtype {g.dtype}, got {x.dtype}")
-            if nonfinite_blocks(x, g.block_tokens, g.dtype).any():
+            if x.dtype != g.row_dtype:
+                raise ValueError(f"layers[{i}] must have dtype {g.row_dtype} ({g.latent_format} format), got {x.dtype}")
+            if nonfinite_stored_blocks(x, g).any():
                 raise ValueError(f"layers[{i}] holds NaN or Inf latents")
         return new
 
@@ -277,7 +278,7 @@ class BlockStore(SegmentReader):
     def prefetch(self, hit: Hit, read_ahead: int | None = None, out: np.ndarray | None = None) -> Prefetch:
         """Start reading every layer of `hit` in the background (needs a running event loop).
 
-        `out`: optional (num_layers, >= hit tokens, latent_dim) buffer to read into (see Prefetch).
+        `out`: optional (num_layers, >= hit tokens, row_width) buffer to read into (see Prefetch).
         """
         self.touch(hit)
         return Prefetch(self, hit, self.read_ahead if read_ahead is None else read_ahead, out)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from kvstore.latent_format import check_latent_format
 from model.config import check_serving_dtype
 from services.common.config import ConfigError, check_redis_url, load_config, secret_field
 from services.common.instance import INSTANCE_ENV, INSTANCE_HEADER
@@ -54,6 +55,8 @@ class StackConfig:
     preset: str = field(default="mini", metadata={"help": "model preset (weights created on first run)"})
     model_dir: str = field(default="", metadata={"help": "a saved or converted model (overrides preset)"})
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype"})
+    latent_format: str = field(default="bf16", metadata={
+        "help": "latents on disk: bf16, or fp8 (656 B/token/layer, own cache)"})
     data_dir: str = field(default="data", metadata={"help": "models, volumes, logs and Valkey data"})
     volumes: list[str] = field(default_factory=list, metadata={
         "flag": "volume", "help": "a cache volume: a directory (repeat per SSD) or s3://bucket/prefix; default: 4 in DATA_DIR"})
@@ -86,6 +89,7 @@ class StackConfig:
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, got {self.engines}")
         check_serving_dtype(self.dtype, "--dtype")
+        check_latent_format(self.latent_format, "--latent-format")
 
 
 class ServiceFailed(Exception):
@@ -150,7 +154,8 @@ class Stack:
             self._spawn("kvstore", "services.kvstore", common + volume_flags + [
                 "--port", str(self.cfg.kvstore_port), "--fingerprint", fingerprint,
                 "--num-layers", str(model_cfg.num_layers), "--latent-dim", str(model_cfg.latent_dim),
-                "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib)])
+                "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib),
+                "--latent-format", self.cfg.latent_format, "--rope-dim", str(model_cfg.qk_rope_head_dim)])
             for i, url in enumerate(self.engine_urls):
                 engine_cache = ["--host", self.cfg.host, "--log-format", self.cfg.log_format]
                 if not cache:
@@ -163,7 +168,7 @@ class Stack:
                     engine_cache.append("--batch-invariant")
                 if self.cfg.pool_gib:
                     engine_cache += ["--pool-gib", str(self.cfg.pool_gib)]
-                engine_cache += ["--dtype", self.cfg.dtype]
+                engine_cache += ["--dtype", self.cfg.dtype, "--latent-format", self.cfg.latent_format]
                 self._spawn(f"engine{i}", "services.engine", engine_cache + [
                     "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
                     "--cache-dtype", self.cfg.cache_dtype,

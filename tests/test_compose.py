@@ -56,7 +56,7 @@ KVSTORE_ENTRYPOINT = "docker/kvstore_for_model.py"
 HOST_ENVS = {
     "defaults": {},
     "overridden": {"DEEPINFER_OPEN_ACCESS": "false", "DEEPINFER_PUBLISH_ADDR": "0.0.0.0",
-                   "DEEPINFER_BUDGET_GIB": "1.5"},
+                   "DEEPINFER_BUDGET_GIB": "1.5", "DEEPINFER_LATENT_FORMAT": "fp8"},
 }
 # The secret files of each case, as `deepinfer secrets` creates them plus what an operator wrote.
 HOST_SECRETS = {
@@ -411,7 +411,9 @@ def test_overridden_variables_reach_the_services(mini_model_dir):
     env = HOST_ENVS["overridden"]
     gateway = launched("gateway", env, mini_model_dir, HOST_SECRETS["overridden"]).config
     assert (gateway.admin_token, gateway.api_keys, gateway.open_access) == ("s3cret", "k1:acme,k2:globex", False)
-    assert launched("kvstore", env, mini_model_dir).config.budget_gib == 1.5
+    kvstore = launched("kvstore", env, mini_model_dir).config
+    assert kvstore.budget_gib == 1.5 and kvstore.geometry.row_bytes == 656  # mini: FlashMLA's fp8 row
+    assert launched("engine", env, mini_model_dir).config.latent_format == "fp8"
     assert services()["gateway"]["ports"] != compose(env)["services"]["gateway"]["ports"]
 
 

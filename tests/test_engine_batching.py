@@ -63,9 +63,7 @@ class Running:
     def __init__(self, loaded, cfg: EngineConfig):
         self.loaded, self.cfg = loaded, cfg
         self.metrics = EngineMetrics()
-        geometry = CacheGeometry(loaded.config.num_layers, loaded.config.latent_dim, cfg.block_tokens,
-                                 loaded.config.cache_dtype)
-        self.cache = CacheLink(cfg, geometry, loaded.fingerprint)
+        self.cache = CacheLink.for_model(cfg, loaded.config, loaded.fingerprint)  # cfg's latent format
         self.engine = Engine(loaded, cfg, self.cache, self.metrics)
 
     async def __aenter__(self):
@@ -102,7 +100,7 @@ class Running:
     async def hit(self, tokens) -> object:
         """The index's hit for `tokens` (as the gateway would look it up), once the saves are durable."""
         index = PrefixIndex(open_redis(self.cfg.redis_url), self.cfg.index_prefix)
-        hashes = block_hashes(tokens.tolist(), self.loaded.fingerprint, SALT, self.cfg.block_tokens)
+        hashes = block_hashes(tokens.tolist(), self.cache.fingerprint, SALT, self.cfg.block_tokens)
         want = cacheable_blocks(len(tokens), self.cfg.block_tokens)
         for _ in range(200):
             found = await index.lookup(hashes[:want])

@@ -120,15 +120,14 @@ def test_copy_verified_reports_the_first_missing_or_bad_block():
     source = memoryview(b"\0" * 100 + data.view(np.uint8).tobytes())
     expected = block_checksums(data, 16)
     out = np.zeros_like(data)
-    dtype = GEOMETRY.dtype
-    assert copy_verified(source, 100, out, expected, 16, dtype, chunk_blocks=3) is None
+    assert copy_verified(source, 100, out, expected, GEOMETRY, chunk_blocks=3) is None
     assert np.array_equal(out.view(np.uint16), data.view(np.uint16))
     short = source[:100 + 2 * GEOMETRY.block_bytes + 5]
-    assert copy_verified(short, 100, np.zeros_like(data), expected, 16, dtype) == BlockFault(2, "short")
+    assert copy_verified(short, 100, np.zeros_like(data), expected, GEOMETRY) == BlockFault(2, "short")
     tampered = bytearray(source)
     tampered[100 + GEOMETRY.block_bytes + 3] ^= 0xFF
-    assert copy_verified(memoryview(bytes(tampered)), 100, np.zeros_like(data), expected, 16, dtype) == (1, "checksum")
-    assert copy_verified(memoryview(b""), 0, np.zeros_like(data), expected, 16, dtype) == (0, "short")
+    assert copy_verified(memoryview(bytes(tampered)), 100, np.zeros_like(data), expected, GEOMETRY) == (1, "checksum")
+    assert copy_verified(memoryview(b""), 0, np.zeros_like(data), expected, GEOMETRY) == (0, "short")
 
 
 @pytest.mark.parametrize("pattern", [0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x7F81])  # NaNs, +-Inf, a signalling NaN
@@ -137,7 +136,7 @@ def test_copy_verified_refuses_nonfinite_latents_even_with_a_matching_checksum(p
     data.view(np.uint16)[2 * 16 + 5, 17] = pattern  # block 2
     expected = block_checksums(data, 16)  # the writer checksummed the NaN: the checksum passes
     source = memoryview(data.view(np.uint8).tobytes())
-    assert copy_verified(source, 0, np.zeros_like(data), expected, 16, GEOMETRY.dtype) == (2, "nonfinite")
+    assert copy_verified(source, 0, np.zeros_like(data), expected, GEOMETRY) == (2, "nonfinite")
 
 
 @pytest.mark.parametrize("dtype, patterns, finite", [

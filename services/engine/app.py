@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from kvstore import CacheGeometry, Hit, SegmentRun, block_hashes, cacheable_blocks, miss
+from kvstore import Hit, SegmentRun, block_hashes, cacheable_blocks, miss
 from kvstore.location import SEGMENT_ID, VOLUME_ID
 from model.grammar import GrammarError, grammar_source
 from model.runner import enable_compilation_cache
@@ -201,8 +201,7 @@ class EngineState:
             self.loaded = await loop.run_in_executor(None, open_model, cfg.model_dir, cfg.preset, cfg.models_dir,
                                                      cfg.cache_dtype)
             model_cfg = self.loaded.config
-            geometry = CacheGeometry(model_cfg.num_layers, model_cfg.latent_dim, cfg.block_tokens, model_cfg.cache_dtype)
-            self.cache = CacheLink(cfg, geometry, self.loaded.fingerprint)
+            self.cache = CacheLink.for_model(cfg, model_cfg, self.loaded.fingerprint)
             await self.cache.start()
             self.engine = await loop.run_in_executor(None, Engine, self.loaded, cfg, self.cache, self.metrics)
             self.loaded = self.engine.loaded  # the served model: the checkpoint's projections can be freed

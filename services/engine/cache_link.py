@@ -6,6 +6,8 @@ import asyncio
 import logging
 
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, open_redis
+from kvstore.latent_format import cache_fingerprint, fp8_dims
+from model.config import ModelConfig
 from services.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -21,6 +23,13 @@ class CacheLink:
         self.store: BlockStore | None = None
         self.index: PrefixIndex | None = None
         self._task: asyncio.Task | None = None
+
+    @classmethod
+    def for_model(cls, cfg: EngineConfig, model: ModelConfig, fingerprint: str) -> "CacheLink":
+        """The link to `model`'s cache in cfg's latent format: its geometry, its cache fingerprint."""
+        geometry = CacheGeometry(model.num_layers, model.latent_dim, cfg.block_tokens, model.cache_dtype,
+                                 fp8_dims(cfg.latent_format, model.latent_dim, model.qk_rope_head_dim))
+        return cls(cfg, geometry, cache_fingerprint(fingerprint, cfg.latent_format))
 
     async def start(self) -> None:
         if self.cfg.caching:

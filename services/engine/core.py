@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from kvstore import cacheable_blocks, extend_block_hashes
+from kvstore.latent_format import row_codec
 from model.attention import make_backend
 from model.latent_pool import LatentPool, pow2
 from model.runner import DecodeRow, Runner
@@ -50,19 +51,21 @@ class TooLarge(ValueError):  # the request could never fit the engine's pool (th
 class Engine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cache: CacheLink, metrics: EngineMetrics):
         platform = jax.default_backend()
-        # The served model (model/serving.py); the checkpoint's own projections are dropped with `loaded`.
-        self.loaded = loaded._replace(model=serving_model(loaded.model, cfg.dtype, platform=platform))
+        # The served model (model/serving.py) under the cache's fingerprint (the model's, or its fp8 format's: the
+        # block hashes); the checkpoint's own projections are dropped with `loaded`.
+        self.loaded = loaded._replace(model=serving_model(loaded.model, cfg.dtype, platform=platform),
+                                      fingerprint=cache.fingerprint)
         self.cfg, self.cache, self.metrics, self.B = cfg, cache, metrics, cfg.block_tokens
         g = loaded.config
         self.token_bytes = g.num_layers * g.latent_dim * np.dtype(g.cache_dtype).itemsize  # a token's latents
         num_pages = cfg.pool_pages(self.token_bytes)
-        self.latents = LatentPool(g, num_pages, self.B)
+        self.latents = LatentPool(g, num_pages, self.B, row_codec(cache.geometry))
         backend = make_backend(cfg.attention, g, platform, cfg.dtype, page_tokens=self.B)
         if cfg.batch_invariant and not backend.batch_invariant:
             raise ValueError(f"the {backend.name} attention backend is not batch-invariant")
         self.runner = Runner(self.loaded.model, g, self.latents, backend, chunk_tokens=cfg.chunk_tokens,
                              fixed_batch=pow2(cfg.max_batch) if cfg.batch_invariant else 0)
-        self.blocks = BlockManager(num_pages, self.B, loaded.fingerprint, cfg.memory_tier)
+        self.blocks = BlockManager(num_pages, self.B, self.loaded.fingerprint, cfg.memory_tier)
         self.scheduler = Scheduler(self.blocks, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens, cfg.solo_tokens,
                                                                cfg.batch_invariant, cfg.prefill_step_ratio),
                                    self.runner)

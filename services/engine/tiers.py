@@ -1,9 +1,9 @@
 """The disk tier beside the model thread: a disk hit's layers read into the sequence's pages, new blocks saved.
 
-Loads run on the event loop, one at a time: each layer is read (verified) into a slot of one staging buffer
+Loads run on the event loop, one at a time: each layer is read (verified, as stored) into a slot of one staging buffer
 (`read_ahead + 2` layers, page-locked where it can be) and reaches the model thread through a completion queue;
-placing it frees the slot, and the hit's prefill runs that layer (passes.py). Saves: the model thread copies new
-full blocks on the device; the host copy and the write run on the event loop.
+placing it (decoding fp8 rows on the device) frees the slot, and the hit's prefill runs that layer (passes.py). Saves:
+the model thread copies (and encodes) new full blocks on the device; the host copy and the write run on the event loop.
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class Tiers:
         g = self.cfg
         if self._staging is None or self._staging.shape[1] < rows:
             model = self.latents
-            self._staging = np.empty((g.read_ahead + 2, rows, model.latent_dim), model.dtype)
+            self._staging = np.empty((g.read_ahead + 2, rows, model.row_width), model.row_dtype)  # stored rows
             self.pinned = pin(self._staging, self.platform)
             log.info("staging buffer: %d layers x %d tokens (%.0f MiB)%s", *self._staging.shape[:2],
                      self._staging.nbytes / 2**20, ", page-locked" if self.pinned else "")

@@ -82,7 +82,7 @@ async def _store_lifecycle(app: web.Application):
     redis = open_redis(config.redis_url, cluster=config.redis_cluster, password=config.redis_password)
     index = PrefixIndex(redis, config.index_prefix)
     store = await BlockStore.open(
-        config.volumes, config.geometry, config.fingerprint, index, mac_key=config.mac_key,
+        config.volumes, config.geometry, config.cache_fingerprint, index, mac_key=config.mac_key,
         threads=config.io_threads,
         read_mode=config.read_mode,
         budget_bytes=config.budget_bytes, max_segment_blocks=config.max_segment_blocks,
@@ -96,7 +96,8 @@ async def _store_lifecycle(app: web.Application):
     app[RECONCILER] = reconciler
     app[COLLECTOR] = StoreCollector(store, reconciler)
     app[REGISTRY].register(app[COLLECTOR])
-    log.info("kvstore serving %s on %d volumes", config.fingerprint, len(store.volumes))
+    log.info("kvstore serving %s (%s latents) on %d volumes", store.fingerprint, config.latent_format,
+             len(store.volumes))
     yield
     await reconciler.stop()
     await store.close()

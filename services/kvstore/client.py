@@ -69,7 +69,7 @@ class KvstoreClient:
 
     async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,
                    tenant: str = "", retention: str = "chat", ttl_s: int | None = None) -> SaveResult:
-        """Store blocks start_block.. of the chain `hashes`; layers[l] is (new_tokens, latent_dim).
+        """Store blocks start_block.. of the chain `hashes`; layers[l] is (new_tokens, row_width) stored rows.
 
         Raises KvstoreError if the service refuses (4xx) or fails (5xx); a save split over several
         requests may have published its leading part when a later request fails.
@@ -113,7 +113,7 @@ class KvstoreClient:
 
     async def read_layer(self, hit: Hit, layer: int, context: Any = None, out: np.ndarray | None = None) -> LayerRead:
         g = self.geometry
-        empty = LayerRead(np.empty((0, g.latent_dim), g.np_dtype), 0)
+        empty = LayerRead(np.empty((0, g.row_width), g.row_dtype), 0)
         if hit.blocks == 0:
             return empty
         message = self._model() | wire.encode_hit(hit) | {"layer": layer}
@@ -130,7 +130,7 @@ class KvstoreClient:
         if valid > hit.blocks or len(body) != valid * g.block_bytes:
             log.warning("kvstore read of layer %d: %d bytes for %d blocks", layer, len(body), valid)
             return empty
-        latents = np.frombuffer(body, g.np_dtype).reshape(-1, g.latent_dim)  # (valid tokens, latent_dim)
+        latents = np.frombuffer(body, g.row_dtype).reshape(-1, g.row_width)  # (valid tokens, row_width)
         if out is not None:
             out[:len(latents)] = latents
             latents = out[:len(latents)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore import CacheGeometry
+from kvstore.latent_format import cache_fingerprint, check_latent_format, fp8_dims
 from services.common.logs import check_log_format
 from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
 from services.common.config import check_redis_url, secret_field
@@ -18,6 +19,8 @@ class KvstoreConfig:
     latent_dim: int = field(default=576, metadata={"help": "cache geometry: latent dims per token"})
     block_tokens: int = field(default=64, metadata={"help": "cache geometry: tokens per block"})
     dtype: str = field(default="bfloat16", metadata={"help": "cache geometry: cache dtype"})
+    latent_format: str = field(default="bf16", metadata={"help": "latents on disk: bf16 or fp8 (the engines')"})
+    rope_dim: int = field(default=64, metadata={"help": "cache geometry: RoPE dims of a latent (kept bf16 in fp8)"})
     volumes: list[str] = field(default_factory=list, metadata={
         "flag": "volume", "help": "a volume: directory or tensorstore kvstore URL (repeatable)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
@@ -55,10 +58,17 @@ class KvstoreConfig:
         if self.reconcile_interval_s < 0 or self.reconcile_min_age_s < 0:
             raise ValueError("--reconcile-interval-s and --reconcile-min-age-s must be >= 0")
         check_log_format(self.log_format)
+        check_latent_format(self.latent_format, "--latent-format")
 
     @property
     def geometry(self) -> CacheGeometry:
-        return CacheGeometry(self.num_layers, self.latent_dim, self.block_tokens, self.dtype)
+        return CacheGeometry(self.num_layers, self.latent_dim, self.block_tokens, self.dtype,
+                             fp8_dims(self.latent_format, self.latent_dim, self.rope_dim))
+
+    @property
+    def cache_fingerprint(self) -> str:
+        """What the stored blocks are keyed by: the model fingerprint, bound to the latent format."""
+        return cache_fingerprint(self.fingerprint, self.latent_format)
 
     @property
     def budget_bytes(self) -> int | None:

@@ -10,10 +10,11 @@ MSGPACK = "application/msgpack"
 _BYTES16 = {"type": "string", "format": "binary", "description": "16 raw bytes (a block hash)"}
 _U63 = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _MODEL = {
-    "fingerprint": {"type": "string", "description": "must be the service's model fingerprint"},
+    "fingerprint": {"type": "string", "description": "must be the service's cache fingerprint"},
     "geometry": {"type": "object", "required": ["num_layers", "latent_dim", "block_tokens", "dtype"],
                  "properties": {"num_layers": _U63, "latent_dim": _U63, "block_tokens": _U63,
-                                "dtype": {"type": "string"}}},
+                                "dtype": {"type": "string"},
+                                "fp8_dims": {**_U63, "description": "fp8 latent format: c_kv dims (absent: bf16)"}}},
 }
 _RUN = {"type": "array", "prefixItems": [{"type": "string", "pattern": "^[0-9a-f]{16}$"},
                                          {"type": "string", "pattern": "^[0-9a-f]{32}$"}, _U63, _U63, _U63, _U63],
@@ -41,7 +42,8 @@ def kvstore_openapi_document() -> dict:
         "start_block": _U63, "tenant": {"type": "string"}, "retention": {"type": "string", "enum": ["chat", "agent"]},
         "ttl_s": {"type": ["integer", "null"]},
         "layers": {"type": "array", "items": {"type": "string", "format": "binary"},
-                   "description": "per layer, (new blocks x block_tokens, latent_dim) in cache dtype, finite"}},
+                   "description": "per layer, (new blocks x block_tokens) stored rows (latents in cache "
+                                  "dtype, or fp8 rows), finite"}},
         "Save blocks start_block.. of a chain (durable and published when answered)")
     read = _msgpack_body(["fingerprint", "geometry", "root", "hashes", "runs", "layer"], _MODEL | {
         "root": _BYTES16, "hashes": {"type": "array", "items": _BYTES16}, "runs": {"type": "array", "items": _RUN},

@@ -1,7 +1,7 @@
 """The kvstore service's msgpack wire format, shared by the server (parse) and client (encode).
 
 POST /v1/segments  {"fingerprint", "geometry": {...}, "hashes": [16 B], "start_block", "tenant",
-                    "retention", "ttl_s" (int or nil), "layers": [raw bytes of (tokens, latent_dim)]}
+                    "retention", "ttl_s" (int or nil), "layers": [raw bytes of (tokens, row_width) stored rows]}
 POST /v1/read      {"fingerprint", "geometry", "root", "hashes", "runs": [[volume, segment, first,
                     count, n_blocks, data_offset]], "layer"} -> raw latent bytes, X-Valid-Blocks
 POST /v1/lookup    {"hashes"} -> {"root", "hashes", "runs"}
@@ -24,7 +24,7 @@ VALID_BLOCKS_HEADER = "X-Valid-Blocks"
 
 class SaveRequest(NamedTuple):
     hashes: list[bytes]
-    layers: list[np.ndarray]   # each (new_blocks * block_tokens, latent_dim), cache dtype
+    layers: list[np.ndarray]   # each (new_blocks * block_tokens, row_width) stored rows (geometry.py)
     start_block: int
     tenant: str
     retention: str
@@ -66,7 +66,7 @@ def _field(message: dict, name: str, kind: type | tuple, default: Any = ...) -> 
 def check_model(message: dict, fingerprint: str, geometry: CacheGeometry) -> None:
     """The request is for the model and cache geometry this kvstore serves (else 409)."""
     if _field(message, "fingerprint", str) != fingerprint:
-        raise RequestError(409, "fingerprint does not match this kvstore's model", "fingerprint")
+        raise RequestError(409, "fingerprint does not match this kvstore's (model and latent format)", "fingerprint")
     given = _field(message, "geometry", dict)
     if given != geometry.as_dict():
         raise RequestError(409, f"geometry {given} does not match this kvstore's {geometry.as_dict()}", "geometry")
@@ -92,8 +92,8 @@ def parse_save(message: dict, geometry: CacheGeometry) -> SaveRequest:
     for i, raw in enumerate(raw_layers):
         if not isinstance(raw, bytes) or len(raw) != rows * geometry.row_bytes:
             raise RequestError(400, f"layers[{i}] must be {rows * geometry.row_bytes} bytes "
-                                    f"({rows} tokens x {geometry.latent_dim} x {geometry.dtype})", f"layers[{i}]")
-        layers.append(np.frombuffer(raw, geometry.np_dtype).reshape(rows, geometry.latent_dim))
+                                    f"({rows} tokens x {geometry.row_bytes} bytes)", f"layers[{i}]")
+        layers.append(np.frombuffer(raw, geometry.row_dtype).reshape(rows, geometry.row_width))
     ttl_s = _field(message, "ttl_s", int, None)
     return SaveRequest(hashes, layers, start, _field(message, "tenant", str, ""),
                        _field(message, "retention", str, "chat"), ttl_s)
