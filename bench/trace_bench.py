@@ -3,7 +3,7 @@
     python -m bench.trace_bench            (or: deepinfer bench trace)
       [--trace PATH] [--capacities 1M 3M 10M 50M inf] [--volumes 4]
       [--sessions 8] [--min-turns 3] [--scale 16] [--time-scale 6] [--max-output 8] [--preset tiny]
-      [--no-live] [--no-report] [--quiet]
+      [--admit-after 1 2 3] [--admission-capacities 1M inf] [--no-live] [--no-report] [--quiet]
 
 1. Index level, the whole trace (seconds, no model): DeepInfer's rules (64-token blocks, one prompt
    token always left to prefill, prompt and answer blocks saved after each request) on an in-memory
@@ -16,6 +16,11 @@
    sent as streaming /v1/completions with token-id prompts to a fresh stack (`deepinfer up`'s
    launcher, --preset): hit ratio (next to the index model's prediction for the same slice),
    TTFT p50/p90/p99 for hits and misses, throughput, errors.
+3. Admission (index level, seconds): for each --admit-after N and capacity, bytes written, hit ratio and hit
+   tokens on the Mooncake trace and on an agent-like workload (bench.trace_format.agent_trace); the suggested
+   default is the N whose hit ratio stays within 1 point of N = 1 everywhere while writing the least. The model
+   has no memory tier: a block's sightings before it is written are misses here, where an engine that still
+   holds it in memory serves them.
 Writes bench/out/trace_bench.json, bench/results/trace_*.png and the BENCHMARKS.md section.
 """
 from __future__ import annotations
@@ -33,7 +38,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import report
-from bench.trace_format import DEFAULT_TRACE, MOONCAKE_HASH_TOKENS, load_trace, scale_request, session_slice
+from bench.trace_format import (DEFAULT_TRACE, MOONCAKE_HASH_TOKENS, agent_trace, load_trace, scale_request,
+                                session_slice)
 from bench.trace_live import LiveRequest, percentile, replay_live
 from bench.trace_replay import ReplayResult, capacity_budget, replay, replay_timed, trace_ceiling
 from bench.trace_store_model import StoreModel
@@ -106,6 +112,44 @@ def index_level(args: argparse.Namespace) -> dict:
             "input_tokens": inputs, "output_tokens": sum(r.output_length for r in trace),
             "ceiling": {"hit_tokens": ceiling_hits, "hit_ratio": ceiling_hits / inputs},
             "sizing_geometry": args.geometry, "volumes": args.volumes, "capacity": rows}
+
+
+ADMISSION_POINTS = 0.01  # a default N may lose at most this much hit ratio against N = 1, anywhere
+
+
+def admission(args: argparse.Namespace) -> dict:
+    """Bytes written, hit ratio and hit tokens per --admit-after N and capacity, on the trace and an agent workload."""
+    sizing = geometry_of(args.geometry)
+    workloads = []
+    for name, trace in (("Mooncake conversation trace", load_trace(args.trace)), ("agent-like (generated)",
+                                                                                  agent_trace())):
+        ceiling_hits, inputs = trace_ceiling(trace, MOONCAKE_HASH_TOKENS)
+        rows = []
+        for tokens in args.admission_capacities:
+            for n in args.admit_after:
+                store = StoreModel(sizing, args.volumes, capacity_budget(tokens, sizing, args.volumes))
+                steps = tqdm(trace, desc=f"admit {n} {capacity_label(tokens):>9}", unit="req", disable=args.quiet)
+                result = replay(steps, store, MOONCAKE_HASH_TOKENS, admit_after=n)
+                rows.append({"capacity_tokens": tokens, "label": capacity_label(tokens), "admit_after": n,
+                             "hit_ratio": result.hit_ratio, "hit_tokens": result.hit_tokens,
+                             "saved_blocks": result.saved_blocks, "bytes_written": result.bytes_written(sizing),
+                             "bytes_read": result.bytes_read(sizing)})
+        workloads.append({"name": name, "requests": len(trace), "input_tokens": inputs,
+                          "ceiling_hit_ratio": ceiling_hits / inputs, "rows": rows})
+    return {"geometry": args.geometry, "workloads": workloads, "default": admission_default(workloads)}
+
+
+def admission_default(workloads: list[dict]) -> int:
+    """The N within ADMISSION_POINTS of N = 1's hit ratio on every workload and capacity that writes the least."""
+    rows = {(w["name"], r["label"], r["admit_after"]): r for w in workloads for r in w["rows"]}
+
+    def within(n: int) -> bool:
+        return all(rows[(w, c, 1)]["hit_ratio"] - r["hit_ratio"] <= ADMISSION_POINTS
+                   for (w, c, m), r in rows.items() if m == n)
+
+    def written(n: int) -> int:
+        return sum(r["bytes_written"] for (_, _, m), r in rows.items() if m == n)
+    return min((n for n in sorted({m for _, _, m in rows}) if within(n)), key=written)
 
 
 def free_port() -> int:
@@ -205,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--volumes", type=int, default=4, help="volumes sharing the capacity (as `deepinfer up`)")
     parser.add_argument("--geometry", default="deepseek-v3", choices=GEOMETRIES,
                         help="cache geometry that turns capacity tokens into the byte budget")
+    parser.add_argument("--admit-after", type=int, nargs="+", default=[1, 2, 3],
+                        help="admission: write a block on its N-th sighting, for each N given (1 must be among them)")
+    parser.add_argument("--admission-capacities", type=parse_tokens, nargs="+", default=[1_000_000, None],
+                        help="admission: store capacities in tokens")
+    parser.add_argument("--no-admission", action="store_true", help="skip the admission table")
     parser.add_argument("--no-live", action="store_true", help="index level only")
     parser.add_argument("--sessions", type=int, default=8, help="live: the first N sessions, all their turns")
     parser.add_argument("--min-turns", type=int, default=3, help="live: only sessions of at least this many requests")
@@ -222,7 +271,11 @@ def measure(args) -> dict:
         raise SystemExit("--volumes, --sessions, --max-output must be >= 1 and --time-scale > 0")
     if not args.trace.exists():
         raise SystemExit(f"--trace: {args.trace} does not exist")
+    if 1 not in args.admit_after or min(args.admit_after) < 1:
+        raise SystemExit("--admit-after: each N must be >= 1, and 1 (write everything) must be among them")
     result = {"index": index_level(args)}
+    if not args.no_admission:
+        result["admission"] = admission(args)
     if not args.no_live:
         result["live"] = live(args)
     return result
@@ -242,6 +295,8 @@ def print_summary(result: dict) -> None:
     index = result["index"]
     print(f"ceiling {index['ceiling']['hit_ratio']:.1%}; " + ", ".join(
         f"{row['label']}: {row['hit_ratio']:.1%}" for row in index["capacity"]))
+    if "admission" in result:
+        print(f"admission: suggested --admit-after {result['admission']['default']}")
     if "live" in result:
         live_result = result["live"]
         t = live_result["ttft"]

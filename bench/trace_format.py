@@ -99,3 +99,25 @@ def session_slice(requests: Sequence[TraceRequest], sessions: int, min_turns: in
         if key in chosen:
             picked.append(request)
     return picked
+
+
+def agent_trace(seed: int = 0, sessions: int = 1500, seconds: float = 3600.0) -> list[TraceRequest]:
+    """An agent-like workload in Mooncake's format (hash ids of 512 tokens), sorted by arrival: four fixed system
+    prompts with tool definitions (3K to 12K tokens, the most used first: 45/30/15/10% of sessions), each session
+    1-12 turns (geometric, mean 4), each turn a user message of 1-2 ids and a tool result of 0-6 ids nobody sent
+    before, the previous answers part of later prompts, turns 5-60 s apart, sessions arriving uniformly."""
+    rng = np.random.default_rng(seed)
+    systems = [tuple(range(base, base + length)) for base, length in ((1, 6), (100, 10), (200, 16), (300, 24))]
+    fresh = iter(range(10_000, 1 << 40))
+    requests = []
+    for _ in range(sessions):
+        ids = list(systems[rng.choice(4, p=[0.45, 0.30, 0.15, 0.10])])
+        at = rng.uniform(0, seconds * 1000)
+        for _turn in range(min(12, int(rng.geometric(0.25)))):
+            ids += [next(fresh) for _ in range(int(rng.integers(1, 3)) + int(rng.integers(0, 7)))]
+            output = int(rng.integers(100, 800))
+            requests.append(TraceRequest(int(at), len(ids) * MOONCAKE_HASH_TOKENS - int(rng.integers(0, 512)), output,
+                                         tuple(ids)))
+            ids += [next(fresh) for _ in range(-(-output // MOONCAKE_HASH_TOKENS))]  # the answer, in the next prompt
+            at += rng.uniform(5_000, 60_000)
+    return sorted(requests)

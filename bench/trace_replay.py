@@ -8,10 +8,15 @@ Per request, in arrival order (each request's saves land before the next request
      (input_length + output_length - 1) // B): the answer's latents, but for its last token, which
      is never fed back through the model. Answer tokens have no ids in the trace, so these blocks
      are unique to the request: they take capacity and are never hit.
+With admission (`admit_after` N > 1, the gateway's --admit-after), step 1 also counts a sighting of each looked-up
+block (per chained key, as PrefixIndex.lookup does; the trace's hour is well inside the sighting window) and the
+admitted blocks are the leading ones indexed already or seen N times; step 2 saves prompt blocks [hit, admitted)
+only, and step 3 saves nothing (the engine writes no block past the admitted count).
 The trace's ceiling: every prompt token whose hash id was seen in any earlier request counts.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable, NamedTuple, Sequence
 
 from kvstore import CacheGeometry
@@ -58,14 +63,17 @@ def capacity_budget(capacity_tokens: int | None, geometry: CacheGeometry, volume
 class _Replay:
     """One request's three steps (lookup, prompt save, answer save) against a StoreModel."""
 
-    def __init__(self, store: StoreModel, hash_tokens: int) -> None:
+    def __init__(self, store: StoreModel, hash_tokens: int, admit_after: int = 1) -> None:
         self.store = store
         self.hash_tokens = hash_tokens
+        self.admit_after = admit_after
+        self.sightings: Counter[int] = Counter()
         self.answer_key = -1
         self.saved = 0
         self.stranded_blocks = 0
 
     def lookup(self, request: TraceRequest) -> tuple[list[int], int]:
+        """The prompt's block keys and its hit; with admission, the keys end at the admitted blocks."""
         B = self.store.geometry.block_tokens
         keys = prompt_block_keys(request, self.hash_tokens, B)
         usable = keys[:max(0, (request.input_length - 1) // B)]
@@ -73,12 +81,21 @@ class _Replay:
         self.store.touch(segments)
         index = self.store.index
         self.stranded_blocks += sum(1 for key in usable[hit_blocks + 1:] if key in index)
+        if self.admit_after > 1:
+            admitted = hit_blocks
+            for i, key in enumerate(usable):
+                self.sightings[key] += 1
+                if i == admitted and self.sightings[key] >= self.admit_after:
+                    admitted += 1
+            keys = keys[:admitted]
         return keys, hit_blocks
 
     def save_prompt(self, keys: list[int], hit_blocks: int) -> None:
         self.saved += self.store.save(keys, hit_blocks)
 
     def save_answer(self, request: TraceRequest, keys: list[int]) -> None:
+        if self.admit_after > 1:
+            return  # the answer's blocks are past the admitted ones
         history_blocks = (request.input_length + request.output_length - 1) // self.store.geometry.block_tokens
         if history_blocks > len(keys):
             answer = list(range(self.answer_key, self.answer_key - (history_blocks - len(keys)), -1))
@@ -94,9 +111,9 @@ class _Replay:
                             self.stranded_blocks * B)
 
 
-def replay(requests: Iterable[TraceRequest], store: StoreModel, hash_tokens: int) -> ReplayResult:
+def replay(requests: Iterable[TraceRequest], store: StoreModel, hash_tokens: int, admit_after: int = 1) -> ReplayResult:
     """Runs `requests` through `store` (fresh or warm) under the rules above."""
-    steps, done, hits = _Replay(store, hash_tokens), [], []
+    steps, done, hits = _Replay(store, hash_tokens, admit_after), [], []
     for request in requests:
         keys, hit_blocks = steps.lookup(request)
         steps.save_prompt(keys, hit_blocks)

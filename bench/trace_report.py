@@ -1,4 +1,4 @@
-"""trace_bench's plots (bench/results/trace_*.png) and its two BENCHMARKS.md sections."""
+"""trace_bench's plots (bench/results/trace_*.png) and its BENCHMARKS.md sections (index, admission, live)."""
 from __future__ import annotations
 
 import math
@@ -135,12 +135,61 @@ def live_notes(live: dict, hit_fraction: float) -> list[str]:
             f"{tp['prompt_tokens_per_s']:,.0f} prompt tok/s, {tp['completion_tokens_per_s']:.1f} answer tok/s"]
 
 
+ADMISSION_PLOT = report.RESULTS / "trace_admission.png"
+
+
+def admission_table(admission: dict) -> str:
+    rows = []
+    for w in admission["workloads"]:
+        base = {r["label"]: r for r in w["rows"] if r["admit_after"] == 1}
+        for r in w["rows"]:
+            first = base[r["label"]]
+            rows.append([w["name"], r["label"], r["admit_after"], f"{r['hit_ratio']:.1%}",
+                         f"{100 * (r['hit_ratio'] - first['hit_ratio']):+.1f}", f"{r['hit_tokens'] / 1e6:,.1f}M",
+                         _gb(r["bytes_written"]), f"{r['bytes_written'] / first['bytes_written']:.2f}",
+                         f"{r['bytes_written'] / max(1, r['bytes_read']):.2f}"])
+    return report.markdown_table(["workload", "capacity (tokens)", "N", "hit ratio", "points vs N = 1", "hit tokens",
+                                  f"{admission['geometry']} GB written", "writes vs N = 1", "bytes written / read"],
+                                 rows)
+
+
+def admission_notes(admission: dict) -> list[str]:
+    sizes = "; ".join(f"{w['name']}: {w['requests']:,} requests, {w['input_tokens'] / 1e6:,.1f}M prompt tokens, "
+                      f"ceiling {w['ceiling_hit_ratio']:.1%}" for w in admission["workloads"])
+    return [sizes, f"suggested --admit-after: {admission['default']} (within 1 point of N = 1's hit ratio on every row, "
+                   "fewest bytes written); the replay has no memory tier: an engine serves a block's early sightings "
+                   "from memory while it still holds them"]
+
+
+def plot_admission(admission: dict) -> None:
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, len(admission["workloads"]), figsize=(11, 4.2))
+    for ax, w in zip(axes, admission["workloads"]):
+        for label in dict.fromkeys(r["label"] for r in w["rows"]):
+            rows = [r for r in w["rows"] if r["label"] == label]
+            ax.plot([r["bytes_written"] / 1e9 for r in rows], [100 * r["hit_ratio"] for r in rows], "o-",
+                    label=f"capacity {label}")
+            for r in rows:
+                ax.annotate(f"N={r['admit_after']}", (r["bytes_written"] / 1e9, 100 * r["hit_ratio"]),
+                            textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(f"GB written ({admission['geometry']} geometry)")
+        ax.set_ylabel("prompt tokens served from disk (%)")
+        ax.set_title(w["name"])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    report.save_figure(fig, ADMISSION_PLOT)
+
+
 def write_report(result: dict, hit_fraction: float) -> None:
     """Two sections, one table each: the whole trace at the index level, and the live slice."""
     index = result["index"]
     plot_hit_ratio(index)
     report.section("Trace replay: hit ratio against capacity (trace_bench)", result["command"], result["machine"],
                    index_table(index), HIT_PLOT.name, index_notes(index))
+    if "admission" in result:
+        plot_admission(result["admission"])
+        report.section("Trace replay: admission to disk (trace_bench)", result["command"], result["machine"],
+                       admission_table(result["admission"]), ADMISSION_PLOT.name, admission_notes(result["admission"]))
     if "live" in result:
         plot_ttft(result["live"], hit_fraction)
         report.section("Trace replay: a live slice through a stack (trace_bench)", result["command"],

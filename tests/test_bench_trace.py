@@ -144,16 +144,20 @@ def synthetic_trace(seed: int, hash_tokens: int, conversations: int = 4, turns: 
     return [requests[i] for i in order]
 
 
-async def test_model_matches_the_real_block_store(tmp_path, redis_url):
+@pytest.mark.parametrize("admit_after", [1, 2])
+async def test_model_matches_the_real_block_store(tmp_path, redis_url, admit_after):
+    """The model's capacity rules and, with admit_after 2, its admission against the real BlockStore and the
+    real index's sighting counts, with the engine's rule: no block written past the admitted count."""
     geometry, hash_tokens, fingerprint = CacheGeometry(num_layers=2, block_tokens=16), 32, "f" * 32
     B = geometry.block_tokens
     trace = synthetic_trace(seed=7, hash_tokens=hash_tokens)
     budget = int(6.2 * segment_bytes(geometry, 2))
     model = StoreModel(geometry, volumes=2, budget_bytes=budget, max_segment_blocks=2)
-    expected = replay(trace, model, hash_tokens)
+    expected = replay(trace, model, hash_tokens, admit_after)
     # The case exercises both; no save is over a budget (then the real store evicts on its volumes in
     # a set's order before it raises, which the model cannot know).
-    assert expected.evictions > 5 and expected.hit_tokens > 0 and expected.failed_saves == 0
+    assert expected.evictions > (5 if admit_after == 1 else 0) and expected.hit_tokens > 0
+    assert expected.failed_saves == 0
 
     client = open_redis(redis_url)
     store = await BlockStore.open([str(tmp_path / "a"), str(tmp_path / "b")], geometry, fingerprint,
@@ -168,11 +172,13 @@ async def test_model_matches_the_real_block_store(tmp_path, redis_url):
             answer = rng.integers(60_000, 120_000, request.output_length - 1).tolist()
             chain = block_hashes(tokens + answer, fingerprint, "", B)
             prompt_blocks = len(tokens) // B
-            hit = await store.index.lookup(chain[:(len(tokens) - 1) // B])
+            hit = await store.index.lookup(chain[:(len(tokens) - 1) // B], admit_after)
+            limit = hit.admitted if admit_after > 1 else len(chain)  # the engine's save_blocks
             # What BlockStore.prefetch records in the background, awaited so the order is certain.
             await store.ledger.touch([(r.volume, r.segment) for r in hit.runs])
             await asyncio.sleep(0.003)  # the ledger's clock is in ms
-            for begin, end in ((hit.blocks, prompt_blocks), (max(hit.blocks, prompt_blocks), len(chain))):
+            for begin, end in ((hit.blocks, min(prompt_blocks, limit)),
+                               (max(hit.blocks, prompt_blocks), min(len(chain), limit))):
                 if end > begin:
                     layers = [np.zeros(((end - begin) * B, geometry.latent_dim), geometry.np_dtype)] * 2
                     try:
@@ -198,6 +204,47 @@ def test_timed_replay_sees_only_saves_that_landed():
     times = [(0.0, 2.0, 3.0), (1.0, 4.0, 5.0), (2.5, 6.0, 7.0)]
     result = replay_timed(trace, StoreModel(G), H, times)
     assert result.per_request_hits == [0, 0, 4]
+
+
+def test_admission_writes_a_block_on_its_nth_sighting_and_never_an_answer():
+    trace = [req([1, 11], 8, output_length=5), req([1, 11], 8), req([1, 11], 8), req([1, 12], 8)]
+    result, store = run(trace[:1])
+    assert result.saved_blocks == 4 + 2  # N = 1: the prompt's 4 blocks, then its answer's 2
+    store = StoreModel(G)
+    result = replay(trace, store, H, admit_after=2)
+    # Usable blocks: (8 - 1) // 2 = 3. Request 0: first sighting, nothing written; request 1: second
+    # sighting, its 3 usable blocks written (not the 4th, never looked up); request 2 hits them; request 3
+    # shares id 1's two blocks (seen 4 times, on disk), and its id 12 is a first sighting.
+    assert result.per_request_hits == [0, 0, 6, 4]
+    assert result.saved_blocks == 3 and store.live_blocks() == 3
+
+
+def test_admission_default_is_the_n_within_a_point_that_writes_least():
+    from bench.trace_bench import admission_default
+
+    def rows(*cells):
+        return [{"label": label, "admit_after": n, "hit_ratio": hit, "bytes_written": written}
+                for label, n, hit, written in cells]
+    close = [{"name": "a", "rows": rows(("1M", 1, 0.300, 100), ("1M", 2, 0.295, 40), ("1M", 3, 0.280, 20))},
+             {"name": "b", "rows": rows(("1M", 1, 0.500, 100), ("1M", 2, 0.505, 50), ("1M", 3, 0.499, 30))}]
+    assert admission_default(close) == 2  # 3 loses 2 points on "a"
+    far = [close[0], {"name": "b", "rows": rows(("1M", 1, 0.5, 100), ("1M", 2, 0.47, 50), ("1M", 3, 0.45, 30))}]
+    assert admission_default(far) == 1
+
+
+def test_the_agent_workload_is_fixed_by_its_seed_and_chained():
+    from bench.trace_format import agent_trace
+
+    trace = agent_trace(seed=3, sessions=40)
+    assert trace == agent_trace(seed=3, sessions=40) and trace != agent_trace(seed=4, sessions=40)
+    assert [r.timestamp_ms for r in trace] == sorted(r.timestamp_ms for r in trace)
+    systems = {r.hash_ids[0] for r in trace}
+    assert systems <= {1, 100, 200, 300} and len(systems) > 1
+    # Ids are chained: an id past the system prompt names one place in one session's history.
+    place = {}
+    for r in trace:
+        for position, h in enumerate(r.hash_ids):
+            assert place.setdefault(h, (position, r.hash_ids[:position])) == (position, r.hash_ids[:position])
 
 
 def test_index_level_on_a_small_trace(tmp_path):
