@@ -2,8 +2,10 @@
 
 The only model knowledge here is the cache geometry. Public API (the engine and gateway use it):
 
-    CacheGeometry(num_layers, latent_dim=576, block_tokens=64, dtype="bfloat16")
-        .block_bytes = block_tokens * latent_dim * itemsize   (bytes of one block of one layer)
+    CacheGeometry(num_layers, latent_dim=576, block_tokens=64, dtype="bfloat16", fp8_dims=0)
+        .block_bytes = block_tokens * row_bytes   (bytes of one block of one layer)
+        stored rows: (tokens, latent_dim) in dtype, or with fp8_dims > 0 (the fp8 latent format,
+        latent_format.py: quantize/dequantize in jnp, cache_fingerprint) (tokens, row_bytes) uint8
 
     block_hashes(tokens, fingerprint, tenant_salt, block_tokens=64) -> list[bytes]   # 16 B each
         chained over full blocks: h_i = blake2b(h_{i-1} | context(fingerprint, salt) | int32 tokens)
@@ -23,12 +25,12 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
         volumes: directory paths or tensorstore kvstore specs (dict or URL)
         await store.save(hashes, layers, start_block=0, tenant="", retention="chat", ttl_s=None)
             -> SaveResult(blocks, segments, bytes)      # durable AND published when it returns
-            hashes: the chain from block 0; layers[l]: (new_blocks * block_tokens, latent_dim)
+            hashes: the chain from block 0; layers[l]: (new_blocks * block_tokens, row_width) stored rows
             raises ValueError (bad argument, names it; also NaN/Inf latents) or SegmentWriteError
             (nothing unpublished left)
         p = store.prefetch(hit, read_ahead=None, out=None) -> Prefetch   # reading starts now
-            out: optional reused (num_layers, >= tokens, latent_dim) staging buffer to read into
-            await p.layer(l) -> np.ndarray (tokens, latent_dim), verified, cache dtype; in layer
+            out: optional reused (num_layers, >= tokens, row_width) staging buffer to read into
+            await p.layer(l) -> np.ndarray (tokens, row_width) stored rows, verified; in layer
                                 order, a later layer is never longer than an earlier one
             await p.valid_tokens() -> int            # usable prefix for every layer
             p.cancel(); await p.aclose()             # aclose: also waits out reads into `out`
