@@ -32,6 +32,7 @@ from services.common.config import ConfigError, check_redis_url, load_config, se
 from services.common.instance import INSTANCE_ENV, INSTANCE_HEADER
 from services.common.logs import check_log_format
 from services.deployment_secrets import DeploymentSecrets, load_or_create, service_environment
+from services.gateway.config import tenant_quotas
 from services.preflight import StartRefused, model_dir_problem, preflight
 from services.run_file import RunFile, ServiceRecord
 from services.valkey_process import EmbeddedValkey
@@ -62,17 +63,18 @@ class StackConfig:
         "flag": "volume", "help": "a cache volume: a directory (repeat per SSD) or s3://bucket/prefix; default: 4 in DATA_DIR"})
     budget_gib: float = field(default=0.0, metadata={
         "help": "GiB per volume (0: 80% of its file system; an s3 volume needs one)"})
-    api_keys: str = secret_field("KEY:TENANT,...; empty = open local mode")
+    tenant_quota_gib: float = field(default=0.0, metadata={"help": "GiB on disk per tenant (0: no quota)"})
+    api_keys: str = secret_field("KEY:TENANT[:QUOTA_GIB],...; empty = open local mode")
     admin_token: str = secret_field("admin bearer token (default: DATA_DIR/secrets/admin_token)")
     service_token: str = secret_field("internal-plane credential (default: DATA_DIR/secrets/service_token)")
     salt_key: str = secret_field("tenant salt key (default: DATA_DIR/secrets/salt_key)")
     mac_key: str = secret_field("block MAC key (default: DATA_DIR/secrets/mac_key)")
     redis_password: str = secret_field("Valkey/Redis password (default: DATA_DIR/secrets/redis_password)")
     cache: bool = field(default=True, metadata={"help": "serve and save cached prefixes (disk and memory tiers)"})
+    admit_after: int = field(default=1, metadata={"help": "write a block to disk on its N-th sighting (1: all)"})
     remote_cache: bool = field(default=False, metadata={
         "help": "engines reach the volumes through the kvstore service"})
     ready_timeout_s: float = field(default=600.0, metadata={"help": "how long to wait for every service"})
-    admit_after: int = field(default=1, metadata={"help": "write a block to disk on its N-th sighting (1: all)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "a sequence's logits are bit-identical whatever shares its steps (slower)"})
     pool_gib: float = field(default=0.0, metadata={
@@ -88,6 +90,9 @@ class StackConfig:
         check_redis_url(self.redis_url)
         if self.engines < 1:
             raise ValueError(f"--engines must be >= 1, got {self.engines}")
+        if self.tenant_quota_gib < 0:
+            raise ValueError(f"--tenant-quota-gib must be >= 0, got {self.tenant_quota_gib}")
+        tenant_quotas(self.api_keys)  # names a malformed key entry before anything starts
         check_serving_dtype(self.dtype, "--dtype")
         check_latent_format(self.latent_format, "--latent-format")
 
@@ -155,7 +160,8 @@ class Stack:
                 "--port", str(self.cfg.kvstore_port), "--fingerprint", fingerprint,
                 "--num-layers", str(model_cfg.num_layers), "--latent-dim", str(model_cfg.latent_dim),
                 "--dtype", model_cfg.cache_dtype, "--budget-gib", str(self.cfg.budget_gib),
-                "--latent-format", self.cfg.latent_format, "--rope-dim", str(model_cfg.qk_rope_head_dim)])
+                "--latent-format", self.cfg.latent_format, "--rope-dim", str(model_cfg.qk_rope_head_dim),
+                *self._quota_flags()])
             for i, url in enumerate(self.engine_urls):
                 engine_cache = ["--host", self.cfg.host, "--log-format", self.cfg.log_format]
                 if not cache:
@@ -188,6 +194,11 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _quota_flags(self) -> list[str]:
+        """The kvstore's tenant quotas: the default, and the keys' per-tenant overrides (tenants are names, no secret)."""
+        quotas = ",".join(f"{tenant}={gib}" for tenant, gib in tenant_quotas(self.cfg.api_keys).items())
+        return ["--tenant-quota-gib", str(self.cfg.tenant_quota_gib)] + (["--tenant-quotas", quotas] if quotas else [])
 
     def _spawn(self, name: str, module: str, args: list[str], secret_fields: dict[str, str] | None = None) -> None:
         """Start `python -m module args` in its own session; its secrets go in its environment."""

@@ -78,3 +78,13 @@ def test_quota_map_names_a_bad_entry():
     for bad in ("alpha", "alpha=", "=2", "alpha=-1", "alpha=lots"):
         with pytest.raises(ValueError, match="TENANT=GIB"):
             parse_quotas(bad)
+
+
+def test_api_keys_give_a_tenant_its_quota():
+    from services.gateway.config import api_keys, tenant_quotas
+    spec = "k1:alpha:2,k2:alpha:2, sk:with:colons:beta,k3:gamma:0.5"
+    assert api_keys(spec) == {"k1": "alpha", "k2": "alpha", "sk:with:colons": "beta", "k3": "gamma"}
+    assert tenant_quotas(spec) == {"alpha": 2.0, "gamma": 0.5}
+    assert api_keys("legacy:5") == {"legacy": "5"}  # KEY:TENANT as before, whatever the tenant's name
+    with pytest.raises(ValueError, match="two quotas"):
+        tenant_quotas("k1:alpha:2,k2:alpha:3")

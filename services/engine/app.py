@@ -150,7 +150,7 @@ def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int
     save_blocks = _field(body, "save_blocks", int, None, low=0, high=INT31)
     return Job(request_id, token_array, tenant, salt,
                _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest,
-               grammar, save_blocks)
+               grammar, save_blocks, epoch=_field(body, "tenant_epoch", int, None, low=0, high=INT63))
 
 
 def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:
@@ -327,6 +327,16 @@ def build_app(cfg: EngineConfig) -> web.Application:
             return _error(503, "the engine is still loading its model", kind="service_unavailable")
         return web.json_response({"dropped_pages": await state.engine.drop_memory_tier()})
 
+    async def admin_purge_tenant(request: web.Request) -> web.Response:
+        """POST {"epoch"}: the tenant's pages leave the memory tier; its sequences of older epochs publish nothing."""
+        if state.engine is None:
+            return _error(503, "the engine is still loading its model", kind="service_unavailable")
+        try:
+            epoch = _field(await request.json(), "epoch", int, None, True, low=1, high=INT63)
+        except (ValueError, AttributeError, TypeError):
+            return _error(400, "the body must be JSON: {\"epoch\": N}", "epoch")
+        return web.json_response({"pages": await state.engine.purge_tenant(request.match_info["tenant"], epoch)})
+
     async def openapi(_: web.Request) -> web.Response:
         if not state.ready:
             return _error(503, "the engine is still loading its model", kind="service_unavailable",
@@ -347,6 +357,7 @@ def build_app(cfg: EngineConfig) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/admin/stats", admin_stats)
     app.router.add_post("/admin/memory-tier/drop", admin_drop_memory_tier)
+    app.router.add_post("/admin/tenants/{tenant}/purge", admin_purge_tenant)
     app.router.add_get("/openapi.json", openapi)
     add_metrics_route(app, state.metrics.registry)
     app.on_startup.append(on_startup)

@@ -6,11 +6,11 @@ A page holds one cache block (block_tokens positions, every layer); each page bu
   published under its chained block hash, so a sequence with the same prefix shares it;
 - hot: published, no longer referenced (ref == 0), kept in LRU order until a new page is needed.
 The hashes are the disk index's (salted per tenant): a hash names the same latents in memory and on disk, and
-tenants never share pages. A sequence's pages come and go only through `grant`, `extend` and `free`.
+tenants never share pages; each published page remembers its tenant, so a purge can find the tenant's pages. A sequence's pages come and go only through `grant`, `extend` and `free`.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 from model.latent_pool import SCRATCH_PAGE
 from services.engine.sequence import Sequence
@@ -28,6 +28,7 @@ class BlockManager:
         self._ref = [0] * num_pages
         self._page_of: dict[bytes, int] = {}  # block hash -> page (owned or hot)
         self._hash_of: dict[int, bytes] = {}
+        self._tenant_of: dict[int, str] = {}  # published page -> its sequence's tenant
         self._hot: OrderedDict[int, None] = OrderedDict()  # ref-0 published pages, least recently used first
         self.evictions = 0
 
@@ -61,7 +62,7 @@ class BlockManager:
         """How many of `pages` are hot (acquiring them takes them out of what allocate() can use)."""
         return sum(1 for p in pages if self._ref[p] == 0)
 
-    def publish(self, page: int, block_hash: bytes) -> None:
+    def publish(self, page: int, block_hash: bytes, tenant: str = "") -> None:
         """The page now holds the complete latents of the block named `block_hash`."""
         if self._ref[page] <= 0:
             raise ValueError(f"page {page} is not owned")
@@ -69,9 +70,14 @@ class BlockManager:
             return  # another page already serves this block (two sequences computed it at once)
         self._page_of[block_hash] = page
         self._hash_of[page] = block_hash
+        self._tenant_of[page] = tenant
 
     def held_hashes(self) -> list[bytes]:
         return list(self._page_of)
+
+    def tenant_pages(self) -> dict[str, int]:
+        """Published pages per tenant (what a purge of the tenant drops)."""
+        return dict(Counter(self._tenant_of.values()))
 
     def acquire(self, pages: list[int]) -> None:
         """Takes a reference on published pages (a memory hit)."""
@@ -92,7 +98,7 @@ class BlockManager:
                 page = self._free.popleft()
             else:
                 page, _ = self._hot.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                del self._page_of[self._hash_of.pop(page)], self._tenant_of[page]
                 self.evictions += 1
             self._ref[page] = 1
             pages.append(page)
@@ -114,10 +120,21 @@ class BlockManager:
         """Empties the memory tier (pages owned by sequences stay published); returns pages freed."""
         dropped = len(self._hot)
         for page in self._hot:
-            del self._page_of[self._hash_of.pop(page)]
+            del self._page_of[self._hash_of.pop(page)], self._tenant_of[page]
             self._free.append(page)
         self._hot.clear()
         return dropped
+
+    def drop_tenant(self, tenant: str) -> int:
+        """Unpublishes every page of `tenant` (a purge): hot ones are freed, owned ones are freed by their release;
+        returns the pages unpublished."""
+        pages = [page for page, owner in self._tenant_of.items() if owner == tenant]
+        for page in pages:
+            del self._page_of[self._hash_of.pop(page)], self._tenant_of[page]
+            if page in self._hot:
+                del self._hot[page]
+                self._free.append(page)
+        return len(pages)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -149,9 +166,9 @@ class BlockManager:
     def publish_sequence(self, seq: Sequence) -> None:
         """The sequence's full blocks whose latents are in every layer (`settled`) become shareable."""
         full = min(seq.settled // self.block_tokens, len(seq.pages))
-        if full <= seq.published_blocks:
+        if full <= seq.published_blocks or seq.fenced:
             return
         hashes = seq.block_hashes(full, self.fingerprint, self.block_tokens)
         for block in range(seq.published_blocks, full):
-            self.publish(seq.pages[block], hashes[block])
+            self.publish(seq.pages[block], hashes[block], seq.job.tenant)
         seq.published_blocks = full

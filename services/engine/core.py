@@ -80,6 +80,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
         self._drop_hot: asyncio.Future | None = None  # an admin asked to empty the memory tier
+        self._purges: queue.SimpleQueue = queue.SimpleQueue()  # (tenant, epoch, future): purges to run
+        self.fences: dict[str, int] = {}  # tenant -> the newest purge epoch seen (model thread)
         self.passes = Passes(self.runner, metrics)  # prefill passes in flight (model thread)
         self._thread = threading.Thread(target=self._serve, name="model", daemon=True)
         metrics.pool_pages.set(self.blocks.usable)
@@ -139,6 +141,13 @@ class Engine:
         self._wake.set()
         return await self._drop_hot
 
+    async def purge_tenant(self, tenant: str, epoch: int) -> int:
+        """Fences `tenant` at `epoch` on the model thread's next turn (see _fence); returns the pages dropped."""
+        done = asyncio.get_running_loop().create_future()
+        self._purges.put((tenant, epoch, done))
+        self._wake.set()
+        return await done
+
     async def stop(self, timeout_s: float) -> None:
         """Stops the model thread, then waits for pending saves."""
         self._stopping = True
@@ -159,6 +168,7 @@ class Engine:
                 "pool": {"pages": b.usable, "page_tokens": self.B, "tokens": b.usable * self.B,
                          "bytes": self.latents.bytes, "owned_pages": b.owned_pages, "hot_pages": b.hot_pages,
                          "evictions": b.evictions},
+                "tenant_pages": b.tenant_pages(),
                 "hot_blocks": [h.hex() for h in b.held_hashes()]}  # for the gateway's cache-aware routing
 
     # -- the model thread --
@@ -170,6 +180,9 @@ class Engine:
                 if self._drop_hot is not None:
                     done, self._drop_hot = self._drop_hot, None
                     self.loop.call_soon_threadsafe(done.set_result, self.blocks.drop_hot())
+                while not self._purges.empty():
+                    tenant, epoch, done = self._purges.get()
+                    self.loop.call_soon_threadsafe(done.set_result, self._fence(tenant, epoch))
                 self._take_inbox()
                 self.tiers.take(self.passes.abort)
                 for seq, memory in self.scheduler.admit():
@@ -199,7 +212,22 @@ class Engine:
                 if seq.status is not Status.FINISHED:
                     self._cancel(seq)
             elif seq.status is Status.WAITING and seq not in self.scheduler.waiting:
+                if seq.job.epoch is not None:  # a job of a newer epoch: a purge this engine missed
+                    self._fence(seq.job.tenant, seq.job.epoch)
+                    seq.fenced = seq.job.epoch < self.fences[seq.job.tenant]
                 self.scheduler.add(seq)
+
+    def _fence(self, tenant: str, epoch: int) -> int:
+        """A purge of `tenant` at `epoch`: its pages leave the memory tier and its sequences of older epochs publish
+        nothing more (their saves are refused by the store); returns the pages dropped (0 if already fenced)."""
+        if epoch <= self.fences.get(tenant, 0):
+            self.fences.setdefault(tenant, epoch)
+            return 0
+        self.fences[tenant] = epoch
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            if seq.job.tenant == tenant and (seq.job.epoch or 0) < epoch:
+                seq.fenced = True
+        return self.blocks.drop_tenant(tenant)
 
     def _admitted(self, seq: Sequence, memory: list[int]) -> None:
         if seq.preemptions == 0:

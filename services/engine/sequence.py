@@ -28,6 +28,7 @@ class Job(NamedTuple):
     digest: bool = False  # put a SHA-256 of each token's logits (float32 bytes) in its event
     grammar: str | None = None  # llguidance grammar text (model.grammar.grammar_source): decoding is constrained
     save_blocks: int | None = None  # admission: the leading full blocks it may write to disk (None: every one)
+    epoch: int | None = None  # the tenant's purge epoch when the gateway looked it up (kvstore/fence.py)
 
 
 class Status(enum.Enum):
@@ -73,6 +74,7 @@ class Sequence:
     stall_s: float = 0.0
     finish_reason: str = ""
     grammar: GrammarState | None = None
+    fenced: bool = False  # its tenant was purged since its job began: it publishes nothing
 
     @property
     def request_id(self) -> str:

@@ -216,7 +216,8 @@ class Tiers:
         current_request_id.set(job.request_id)  # this task's writes carry it to the kvstore service
         try:
             host = await asyncio.to_thread(lambda: [self.latents.host(x) for x in layers])
-            result = await self.store.save(hashes, host, start_block=start, tenant=job.tenant, retention=job.retention)
+            result = await self.store.save(hashes, host, start_block=start, tenant=job.tenant, retention=job.retention,
+                                           epoch=job.epoch)
             self.metrics.saves.labels("ok").inc()
             self.metrics.saved_blocks.inc(result.blocks)
         except Exception as error:  # noqa: BLE001 - a failed save never fails the request

@@ -19,6 +19,7 @@ from services.gateway.gateway_state import GatewayState
 from services.gateway.openai_errors import OpenAIError, model_not_found
 from services.gateway.openai_responses import model_card, models_list
 from services.gateway.openapi_document import openapi_document
+from services.gateway.tenant_purge import add_tenant_purge_route
 from services.gateway.tenants import admin_allowed
 
 log = logging.getLogger(__name__)
@@ -147,4 +148,5 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/stats", admin_stats)
     add_dashboard_routes(app)
+    add_tenant_purge_route(app)
     return app

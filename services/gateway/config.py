@@ -24,7 +24,7 @@ class GatewayConfig:
     engines: list[str] = field(default_factory=list, metadata={
         "flag": "engine", "help": "an engine's base URL, e.g. http://127.0.0.1:8200 (repeatable); a host "
         "name is one engine per address it resolves to (compose replicas), resolved every --engine-poll-s"})
-    api_keys: str = secret_field("API keys and their tenants: KEY:TENANT,KEY:TENANT")
+    api_keys: str = secret_field("API keys, tenants, quotas: KEY:TENANT[:QUOTA_GIB],...")
     open_access: bool = field(default=False, metadata={
         "help": "local mode: requests without a known key are served as tenant 'public'"})
     admin_token: str = secret_field("bearer token for /admin/* here and on the engines (empty: admin off)")
@@ -96,7 +96,7 @@ class GatewayConfig:
         for url in self.engines:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
-        api_keys(self.api_keys)  # fails at startup on a malformed list
+        tenant_quotas(self.api_keys)  # fails at startup on a malformed list
         check_log_format(self.log_format)
 
     @classmethod
@@ -106,11 +106,38 @@ class GatewayConfig:
 
 
 def api_keys(spec: str) -> dict[str, str]:
-    """"key1:tenantA,key2:tenantB" -> {"key1": "tenantA", "key2": "tenantB"}."""
-    keys: dict[str, str] = {}
+    """"key1:tenantA,key2:tenantB:2" -> {"key1": "tenantA", "key2": "tenantB"}."""
+    return {key: tenant for key, tenant, _ in _key_entries(spec)}
+
+
+def tenant_quotas(spec: str) -> dict[str, float]:
+    """The tenants whose keys give a quota, "key:tenant:2" -> {"tenant": 2.0} (GiB on disk; the kvstore
+    enforces it, `deepinfer up` passes it on). Two keys of one tenant may not give different quotas."""
+    quotas: dict[str, float] = {}
+    for _, tenant, quota in _key_entries(spec):
+        if quota is not None and quotas.setdefault(tenant, quota) != quota:
+            raise ValueError(f"api_keys give tenant {tenant!r} two quotas: {quotas[tenant]} and {quota} GiB")
+    return quotas
+
+
+def _key_entries(spec: str) -> list[tuple[str, str, float | None]]:
+    """KEY:TENANT or KEY:TENANT:QUOTA_GIB entries; a key may hold colons, a tenant may not, and a last
+    field that is a number after a key and a tenant is the quota."""
+    entries = []
     for entry in filter(None, (part.strip() for part in spec.split(","))):
-        key, sep, tenant = entry.rpartition(":")
+        head, sep, last = entry.rpartition(":")
+        key, tenant, quota = head, last, None
+        if ":" in head and _gib(last) is not None:
+            (key, _, tenant), quota = head.rpartition(":"), _gib(last)
         if not sep or not key or not tenant:
-            raise ValueError("api_keys entries must look like KEY:TENANT")
-        keys[key] = tenant
-    return keys
+            raise ValueError("api_keys entries must look like KEY:TENANT or KEY:TENANT:QUOTA_GIB")
+        entries.append((key, tenant, quota))
+    return entries
+
+
+def _gib(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value >= 0 and value == value else None

@@ -77,9 +77,13 @@ def kvstore_numbers(url: str, samples: Samples | None) -> dict:
         return {"url": url, "up": False, "configured": True}
     used = samples.by("kvstore_volume_used_bytes", "volume")
     budget = samples.by("kvstore_volume_budget_bytes", "volume")
+    tenant_used = samples.by("kvstore_tenant_bytes", "tenant")
+    quota = samples.by("kvstore_tenant_quota_bytes", "tenant")
     return {"url": url, "up": True, "configured": True,
             "volumes": [{"id": vid, "used_bytes": used[vid], "budget_bytes": budget.get(vid, 0.0)}
                         for vid in sorted(used)],
+            "tenants": [{"tenant": t, "used_bytes": tenant_used.get(t, 0.0), "quota_bytes": quota.get(t, 0.0)}
+                        for t in sorted(set(tenant_used) | set(quota))],
             "bytes_read": samples.total("kvstore_bytes_read_total"),
             "bytes_written": samples.total("kvstore_bytes_written_total"),
             "write_failures": samples.total("kvstore_write_failures_total"),

@@ -70,6 +70,7 @@ class EngineRouter:
             raise unavailable(f"No engine is ready to serve requests (0 of "
                               f"{len(self._pool.engines)} ready). Try again shortly.")
         prefixes: dict[tuple[str, int], tuple[list[bytes], Hit]] = {}
+        epoch = asyncio.ensure_future(self._lookup.epoch(job.tenant.name))  # read beside the prefix lookup
         if job.engine is not None:
             ranked = self._pinned(job.engine)
         else:
@@ -86,7 +87,7 @@ class EngineRouter:
             try:
                 stack.enter_context(self._pool.claim(engine))
                 events = await stack.enter_async_context(
-                    engine.client.generate(engine_job_body(job, hashes, hit, max_tokens)))
+                    engine.client.generate(engine_job_body(job, hashes, hit, max_tokens, await epoch)))
                 stack.push_async_callback(events.aclose)
                 first = await anext(events)
             except EngineUnavailable as failure:
@@ -188,14 +189,16 @@ class EngineRouter:
             self._pool.mark_failed(engine, failure.reason)
 
 
-def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int) -> dict:
+def engine_job_body(job: GenerationJob, hashes: list[bytes], hit: Hit, max_tokens: int,
+                    epoch: int | None = None) -> dict:
     """The POST /internal/generate body; the optional fields only when they do something."""
     sampling = job.sampling
     optional = {"presence_penalty": sampling.presence_penalty or None,
                 "frequency_penalty": sampling.frequency_penalty or None,
                 "logit_bias": {str(token): bias for token, bias in sampling.logit_bias} or None,
                 "logprobs": sampling.logprobs,  # 0 is "the chosen token's logprob only"
-                "grammar": job.grammar}
+                "grammar": job.grammar,
+                "tenant_epoch": epoch}  # the saves of this request carry it (kvstore/fence.py)
     return {
         "request_id": job.request_id,
         "tokens": job.tokens,

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Sequence
 
+from kvstore.fence import TenantFence
 from kvstore.hashing import cacheable_blocks
 from kvstore.index import PrefixIndex
 from kvstore.location import Hit, miss
@@ -24,6 +25,7 @@ class PrefixLookup:
     def __init__(self, index: PrefixIndex | None, timeout_s: float, metrics: GatewayMetrics,
                  admit_after: int = 1, admit_window_s: float = 86400.0):
         self._index = index
+        self.fence = None if index is None else TenantFence(index.redis, index.prefix)
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._admit_after, self._admit_window_s = admit_after, admit_window_s
@@ -52,6 +54,17 @@ class PrefixLookup:
         self._metrics.admission_blocks.labels("admitted").inc(hit.admitted - hit.blocks)
         self._metrics.admission_blocks.labels("deferred").inc(len(hashes) - hit.admitted)
         return hit
+
+    async def epoch(self, tenant: str) -> int | None:
+        """The tenant's purge epoch (kvstore/fence.py): its saves carry it, so a purge that begins while
+        they run leaves nothing of them. None when the index does not answer (the store reads it then)."""
+        if self.fence is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.fence.epoch(tenant), self._timeout_s)
+        except Exception:  # any index failure: the request goes on, its saves take the epoch current then
+            self._metrics.lookup_failures.inc()
+            return None
 
     async def ready(self) -> bool:
         return self._index is not None and await self._index.ping()

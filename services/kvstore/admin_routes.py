@@ -6,6 +6,7 @@ import dataclasses
 from aiohttp import web
 
 from kvstore import BlockStore
+from kvstore.purge import erase_tenant
 from kvstore.reconcile import Reconciler
 from services.common import RequestError
 
@@ -61,9 +62,24 @@ def add_admin_routes(app: web.Application, store_key: web.AppKey, reconciler_key
             raise RequestError(400, "give exactly one of \"tenant\" (a string) or \"all\": true", "tenant")
         return web.json_response({"evicted": count})
 
+    async def purge(request: web.Request) -> web.Response:
+        """POST {"epoch"}: erase the tenant's blocks older than the epoch its purge fenced (the gateway's
+        DELETE /admin/tenants/{tenant}/cache fences first); drops the purge's tombstone."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RequestError(400, "body must be JSON: {\"epoch\": N}", "body") from None
+        epoch = body.get("epoch") if isinstance(body, dict) else None
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+            raise RequestError(400, "\"epoch\" must be the purge's epoch, an integer >= 1", "epoch")
+        tenant = request.match_info["tenant"]
+        result = await erase_tenant(store_of(request), tenant, epoch)
+        return web.json_response({"tenant": tenant, "epoch": epoch, **result._asdict()})
+
     app.router.add_get("/admin/stats", stats)
     app.router.add_get("/admin/volumes", volumes)
     app.router.add_post("/admin/sweep", sweep)
     app.router.add_post("/admin/evict", evict)
     app.router.add_post("/admin/reconcile", reconcile)
+    app.router.add_post("/admin/tenants/{tenant}/purge", purge)
     app.router.add_get("/admin/reconcile", reconciliation)

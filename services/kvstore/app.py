@@ -1,6 +1,7 @@
 """The kvstore service: segment writes, verified layer reads and deletes over HTTP."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgpack
@@ -11,7 +12,9 @@ from redis.exceptions import RedisError
 from kvstore import BlockStore, PrefixIndex, SegmentWriteError, open_redis
 from kvstore.location import SEGMENT_ID
 from kvstore.reconcile import Reconciler
+from kvstore.quota import GiB, parse_quotas
 from kvstore.segment import SegmentMissing
+from kvstore.store import TenantPurged
 from services.common import (RequestError, add_health_routes, add_metrics_route, admin_auth_middleware,
                              error_middleware, service_auth_middleware)
 from services.common.instance import add_instance_header
@@ -25,7 +28,7 @@ from .openapi_document import kvstore_openapi_document
 
 log = logging.getLogger(__name__)
 
-SAVE_FIELDS = {"hashes", "start_block", "tenant", "retention", "ttl_s", "layers"}
+SAVE_FIELDS = {"hashes", "start_block", "tenant", "retention", "ttl_s", "layers", "epoch"}
 
 STORE = web.AppKey("store", BlockStore)
 RECONCILER = web.AppKey("reconciler", Reconciler)
@@ -92,6 +95,7 @@ async def _store_lifecycle(app: web.Application):
     # Serving starts at once; until reconciliation republishes a segment, its prefixes are misses.
     reconciler = Reconciler(store, min_age_s=config.reconcile_min_age_s)
     reconciler.start(config.reconcile_interval_s)
+    quotas = asyncio.create_task(_publish_quotas(store, config))
     app[STORE] = store
     app[RECONCILER] = reconciler
     app[COLLECTOR] = StoreCollector(store, reconciler)
@@ -99,9 +103,21 @@ async def _store_lifecycle(app: web.Application):
     log.info("kvstore serving %s (%s latents) on %d volumes", store.fingerprint, config.latent_format,
              len(store.volumes))
     yield
+    quotas.cancel()
     await reconciler.stop()
     await store.close()
     await redis.aclose()
+
+
+async def _publish_quotas(store: BlockStore, config: KvstoreConfig, retry_s: float = 5.0) -> None:
+    """The configured tenant quotas, to the index, where every writer reads them (kvstore/quota.py)."""
+    quotas = {tenant: int(gib * GiB) for tenant, gib in parse_quotas(config.tenant_quotas).items()}
+    while True:
+        try:
+            return await store.quotas.publish(int(config.tenant_quota_gib * GiB), quotas)
+        except RedisError as e:
+            log.warning("could not publish the tenant quotas (retrying in %.0f s): %s", retry_s, e)
+            await asyncio.sleep(retry_s)
 
 
 async def _message(request: web.Request) -> dict:
@@ -115,11 +131,13 @@ async def save_segments(request: web.Request) -> web.Response:
     save = wire.parse_save(message, store.geometry)
     try:
         result = await store.save(save.hashes, save.layers, start_block=save.start_block, tenant=save.tenant,
-                                  retention=save.retention, ttl_s=save.ttl_s)
+                                  retention=save.retention, ttl_s=save.ttl_s, epoch=save.epoch)
     except ValueError as e:  # the store names the argument first, e.g. "ttl_s must be ..."
         named = str(e).split(" ", 1)[0]
         field = named if named.split("[", 1)[0] in SAVE_FIELDS else None
         raise RequestError(400, str(e), field) from None
+    except TenantPurged as e:  # the request began before its tenant's purge: nothing stays
+        raise RequestError(409, str(e), "epoch") from None
     except SegmentWriteError as e:
         log.error("save failed: %s", e)
         raise RequestError(503, f"could not store the segment: {e}") from None

@@ -68,8 +68,10 @@ class KvstoreClient:
         return await self._http().post(self.base_url + path, data=body, headers=headers)
 
     async def save(self, hashes: Sequence[bytes], layers: Sequence[np.ndarray], *, start_block: int = 0,
-                   tenant: str = "", retention: str = "chat", ttl_s: int | None = None) -> SaveResult:
+                   tenant: str = "", retention: str = "chat", ttl_s: int | None = None,
+                   epoch: int | None = None) -> SaveResult:
         """Store blocks start_block.. of the chain `hashes`; layers[l] is (new_tokens, row_width) stored rows.
+        `epoch`: the tenant's purge epoch the request began under (BlockStore.save).
 
         Raises KvstoreError if the service refuses (4xx) or fails (5xx); a save split over several
         requests may have published its leading part when a later request fails.
@@ -83,7 +85,7 @@ class KvstoreClient:
             rows = slice((first - start_block) * g.block_tokens, (last - start_block) * g.block_tokens)
             message = self._model() | {
                 "hashes": list(hashes[:last]), "start_block": first, "tenant": tenant, "retention": retention,
-                "ttl_s": ttl_s, "layers": [np.ascontiguousarray(x[rows]).view(np.uint8).tobytes() for x in layers]}
+                "ttl_s": ttl_s, "epoch": epoch, "layers": [np.ascontiguousarray(x[rows]).view(np.uint8).tobytes() for x in layers]}
             async with await self._post("/v1/segments", message) as response:
                 body = await response.json(content_type=None)
                 if response.status != 200:

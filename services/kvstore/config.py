@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from kvstore import CacheGeometry
 from kvstore.latent_format import cache_fingerprint, check_latent_format, fp8_dims
 from services.common.logs import check_log_format
+from kvstore.quota import parse_quotas
 from kvstore.store import IO_THREADS, READ_AHEAD_LAYERS
 from services.common.config import check_redis_url, secret_field
 
@@ -34,6 +35,9 @@ class KvstoreConfig:
     redis_password: str = secret_field("password of the prefix index's Redis user")
     budget_gib: float = field(default=0.0, metadata={
         "help": "byte budget per volume in GiB (0: 80% of each volume's file system, recorded in the volume)"})
+    tenant_quota_gib: float = field(default=0.0, metadata={"help": "bytes on disk per tenant, GiB (0: no quota)"})
+    tenant_quotas: str = field(default="", metadata={
+        "help": "per-tenant GiB over --tenant-quota-gib: TENANT=GIB,TENANT=GIB"})
     max_body_mib: int = field(default=512, metadata={"help": "largest request body accepted (MiB)"})
     max_segment_blocks: int = field(default=64, metadata={"help": "blocks per segment at most"})
     read_ahead: int = field(default=READ_AHEAD_LAYERS, metadata={"help": "layers in flight per prefetch"})
@@ -55,6 +59,9 @@ class KvstoreConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.budget_gib < 0 or self.max_body_mib < 1:
             raise ValueError("--budget-gib must be >= 0 and --max-body-mib >= 1")
+        if self.tenant_quota_gib < 0:
+            raise ValueError(f"--tenant-quota-gib must be >= 0, got {self.tenant_quota_gib}")
+        parse_quotas(self.tenant_quotas)  # names a malformed entry at startup
         if self.reconcile_interval_s < 0 or self.reconcile_min_age_s < 0:
             raise ValueError("--reconcile-interval-s and --reconcile-min-age-s must be >= 0")
         check_log_format(self.log_format)

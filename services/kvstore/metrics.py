@@ -14,10 +14,14 @@ class StoreCollector:
         self.store = store
         self.reconciler = reconciler
         self.volume_used: dict[str, int] = {}
+        self.tenant_used: dict[str, int] = {}
+        self.quotas: tuple[int, dict[str, int]] = (0, {})
 
     async def refresh(self) -> None:
         try:
             self.volume_used = await self.store.ledger.used(list(self.store.volumes))
+            self.tenant_used = await self.store.ledger.tenants_used(list(self.store.volumes))
+            self.quotas = await self.store.quotas.all()
         except Exception:  # Redis down: report the last known usage
             pass
 
@@ -52,6 +56,16 @@ class StoreCollector:
             budget.add_metric([vid], self.store.capacity.budget_of(vid))
         yield used
         yield budget
+        # Tenants are names (no secret): index keys are salted hashes, these gauges only sum bytes.
+        tenant_bytes = GaugeMetricFamily("kvstore_tenant_bytes", "bytes of live segments per tenant", labels=["tenant"])
+        tenant_quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "byte quota per tenant (0: none)",
+                                         labels=["tenant"])
+        default, quotas = self.quotas
+        for tenant in sorted(set(self.tenant_used) | set(quotas)):
+            tenant_bytes.add_metric([tenant], self.tenant_used.get(tenant, 0))
+            tenant_quota.add_metric([tenant], quotas.get(tenant, default))
+        yield tenant_bytes
+        yield tenant_quota
         if self.reconciler is not None:
             outcomes = CounterMetricFamily("kvstore_reconciled_segments",
                                            "segment objects examined by reconciliation, by outcome", labels=["outcome"])

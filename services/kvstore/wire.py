@@ -1,7 +1,8 @@
 """The kvstore service's msgpack wire format, shared by the server (parse) and client (encode).
 
 POST /v1/segments  {"fingerprint", "geometry": {...}, "hashes": [16 B], "start_block", "tenant",
-                    "retention", "ttl_s" (int or nil), "layers": [raw bytes of (tokens, row_width) stored rows]}
+                    "retention", "ttl_s" (int or nil), "layers": [raw bytes of (tokens, row_width) stored rows],
+                    "epoch" (the tenant's purge epoch the request began under, or nil)}
 POST /v1/read      {"fingerprint", "geometry", "root", "hashes", "runs": [[volume, segment, first,
                     count, n_blocks, data_offset]], "layer"} -> raw latent bytes, X-Valid-Blocks
 POST /v1/lookup    {"hashes"} -> {"root", "hashes", "runs"}
@@ -29,6 +30,7 @@ class SaveRequest(NamedTuple):
     tenant: str
     retention: str
     ttl_s: int | None
+    epoch: int | None = None  # the tenant's purge epoch the request began under (kvstore/fence.py)
 
 
 class ReadRequest(NamedTuple):
@@ -96,7 +98,7 @@ def parse_save(message: dict, geometry: CacheGeometry) -> SaveRequest:
         layers.append(np.frombuffer(raw, geometry.row_dtype).reshape(rows, geometry.row_width))
     ttl_s = _field(message, "ttl_s", int, None)
     return SaveRequest(hashes, layers, start, _field(message, "tenant", str, ""),
-                       _field(message, "retention", str, "chat"), ttl_s)
+                       _field(message, "retention", str, "chat"), ttl_s, _field(message, "epoch", int, None))
 
 
 def parse_run(raw: Any, i: int) -> SegmentRun:
