@@ -30,7 +30,7 @@ def as_bits(x: jax.Array) -> jax.Array:
 
 
 class PageRead(NamedTuple):
-    bits: jax.Array  # (padded pages * page_tokens, A) raw bits
+    bits: jax.Array  # (padded pages * page_tokens, row_width): raw bits, or a codec's stored rows
     rows: int  # rows that belong to the pages read
 
 
