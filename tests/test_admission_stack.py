@@ -61,3 +61,14 @@ def test_a_one_off_prompt_stays_off_the_disk_and_its_second_sighting_is_written(
     third = ask(stack, "What is the second rule?")  # the system prompt's blocks, now read from disk
     assert third.usage.prompt_tokens_details.cached_tokens > 0
     assert metric(engine, "deepinfer_engine_prefix_hit_tokens_total", 'tier="disk"') > 0
+
+
+def test_a_memory_hit_of_blocks_on_disk_writes_them_no_second_time(stack):
+    """Blocks the index holds are on disk: a request that finds them in the memory tier saves none of them again."""
+    engine = stack.engine_urls[0]
+    ask(stack, "What is the first rule?")  # its blocks are on disk after the first test's second sighting
+    saved, stored = metric(engine, "deepinfer_engine_saved_blocks_total"), on_disk(stack)
+    for _ in range(2):
+        repeat = ask(stack, "What is the first rule?")
+        assert repeat.usage.prompt_tokens_details.cached_tokens == (repeat.usage.prompt_tokens - 1) // 64 * 64
+    assert metric(engine, "deepinfer_engine_saved_blocks_total") == saved and on_disk(stack) == stored

@@ -53,9 +53,9 @@ def test_secrets_come_from_the_environment_or_files_never_flags(tmp_path):
     (tmp_path / "keys").write_text("k1:t1,k2:t2")
     config = GatewayConfig.load([], {"DEEPINFER_GATEWAY_SALT_KEY_FILE": str(tmp_path / "salt"),
                                      "DEEPINFER_GATEWAY_API_KEYS_FILE": str(tmp_path / "keys"),
-                                     "DEEPINFER_GATEWAY_ADMIN_TOKEN": "adm"})
-    assert (config.salt_key, config.api_keys, config.admin_token) == ("salt-from-file", "k1:t1,k2:t2", "adm")
-    assert "salt-from-file" not in repr(config) and "adm" not in repr(config)
+                                     "DEEPINFER_GATEWAY_ADMIN_TOKEN": "admin-token-value"})
+    assert (config.salt_key, config.api_keys, config.admin_token) == ("salt-from-file", "k1:t1,k2:t2", "admin-token-value")
+    assert "salt-from-file" not in repr(config) and "admin-token-value" not in repr(config)
 
 
 def test_api_keys_parse():

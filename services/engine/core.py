@@ -237,6 +237,8 @@ class Engine:
         usable = min(seq.job.hit.blocks, cacheable_blocks(seq.target, self.B))
         if self.tiers.store is not None and usable * self.B > seq.computed:
             self.tiers.load(seq, usable * self.B)
+        else:  # the memory tier holds what the index has on disk: those blocks need no second write
+            seq.saved_blocks = max(seq.saved_blocks, usable)
 
     def _execute(self, plan: Plan) -> bool:
         """Runs the plan; returns whether anything was dispatched."""
@@ -374,11 +376,11 @@ class Engine:
 
     def _save(self, seq: Sequence) -> None:
         full = min(seq.settled // self.B, len(seq.pages))
+        if seq.job.save_blocks is not None:  # admission: blocks seen too few times stay off the disk
+            full = min(full, seq.job.save_blocks)
         if self.tiers.store is not None and self.cfg.save and full > seq.saved_blocks:
             self.tiers.save(seq, seq.block_hashes(full, self.loaded.fingerprint, self.B), full)
 
-        if seq.job.save_blocks is not None:  # admission: blocks seen too few times stay off the disk
-            full = min(full, seq.job.save_blocks)
     def _update_gauges(self) -> None:
         m = self.metrics
         m.queue_depth.set(self.waiting)
