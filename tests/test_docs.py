@@ -163,8 +163,9 @@ def test_every_documented_command_is_run_by_a_named_test_or_listed_with_its_reas
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    """GitHub's anchor for a heading: lower case, links to their text, punctuation but `_` and `-` dropped, spaces
+    to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -214,3 +215,23 @@ def test_every_services_help_lists_its_table():
         for flags, var, _, _ in flag_rows(*flag_docs._configs()[service]):
             shown = var.removesuffix("[_FILE]") if flags.startswith("(") else flags.split(", ")[0]
             assert shown in said.stdout, f"python -m services.{service} --help does not list {shown}"
+
+
+def test_bench_holds_user_facing_benches_and_their_helpers_only():
+    """At most 20 Python files outside bench/lab/; each is run (`python -m bench.X`) or imported by a bench or the
+    CLI, never only by tests; each lab file has its line in bench/lab/README.md."""
+    bench = ROOT / "bench"
+    files = sorted(bench.glob("*.py"))
+    assert len(files) <= 20, [f.name for f in files]
+    users = {path: path.read_text() for path in [*files, *(bench / "lab").glob("*.py"), ROOT / "services" / "cli.py"]}
+    for path in files:
+        if path.name == "__init__.py":
+            continue
+        module = path.stem
+        runnable = '__name__ == "__main__"' in path.read_text()
+        imported = any(re.search(rf"\bbench(\.| import .*\b){module}\b|\"bench\.{module}\"", text)
+                       for other, text in users.items() if other != path)
+        assert runnable or imported, f"bench/{path.name} is neither run nor imported by a bench or the CLI"
+    lab = (bench / "lab" / "README.md").read_text()
+    missing = [p.name for p in (bench / "lab").glob("*.py") if p.name != "__init__.py" and f"`{p.name}`" not in lab]
+    assert not missing, f"bench/lab/README.md has no line for {missing}"
