@@ -6,7 +6,8 @@ A page holds one cache block (block_tokens positions, every layer); each page bu
   published under its chained block hash, so a sequence with the same prefix shares it;
 - hot: published, no longer referenced (ref == 0), kept in LRU order until a new page is needed.
 The hashes are the disk index's (salted per tenant): a hash names the same latents in memory and on disk, and
-tenants never share pages; each published page remembers its tenant, so a purge can find the tenant's pages. A sequence's pages come and go only through `grant`, `extend` and `free`.
+tenants never share pages; each published page remembers its tenant, so a purge can find the tenant's pages.
+A sequence's pages come and go only through `grant`, `extend` and `free`.
 """
 from __future__ import annotations
 
