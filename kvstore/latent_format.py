@@ -79,7 +79,9 @@ def dequantize(rows_TB, g: CacheGeometry):
     q_TC = jax.lax.bitcast_convert_type(rows_TB[:, :C], jnp.float8_e4m3fn).astype(jnp.float32)
     scale_TK = jax.lax.bitcast_convert_type(rows_TB[:, c_end:s_end].reshape(T, tiles, 4), jnp.float32)
     q_TKD = jnp.pad(q_TC, ((0, 0), (0, tiles * TILE_DIMS - C))).reshape(T, tiles, TILE_DIMS)
-    c_kv_TC = (q_TKD * scale_TK[..., None]).reshape(T, -1)[:, :C].astype(dtype)
+    c_kv_TC = (q_TKD * scale_TK[..., None]).reshape(T, -1)[:, :C]
+    big = float(jnp.finfo(dtype).max)  # the cast can round a value past its tile's max: never to Inf
+    c_kv_TC = jnp.clip(c_kv_TC, -big, big).astype(dtype)
     rope_TR = jax.lax.bitcast_convert_type(rows_TB[:, s_end:r_end].reshape(T, -1, dtype.itemsize), dtype)
     return jnp.concatenate([c_kv_TC, rope_TR], axis=-1)
 

@@ -4,7 +4,9 @@ The caller has fenced the tenant first (fence.TenantFence.begin_purge): saves of
 refused or withdraw themselves, so listing the volumes after the fence finds every old block that
 will ever be published. Each segment is put in the grave before anything else (reconciliation never
 republishes it), unpublished, uncounted, then unlinked at once: no grace period, a reader that
-still holds it gets a miss. Blocks are MAC'd, not encrypted: erasure is the unlink.
+still holds it gets a miss. Objects reconciliation quarantined are unlinked too when their header names the
+tenant (one whose header cannot be read cannot be attributed and stays). Blocks are MAC'd, not encrypted: erasure
+is the unlink.
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ async def erase_tenant(store: "BlockStore", tenant: str, epoch: int) -> PurgeRes
         for record in records.values():  # counted, but its object is gone (or unreadable): uncount it
             if not await volume.exists(record.segment):
                 await store.capacity.retire(vid, record)
+        for segment in await volume.quarantined():  # unpublished and uncounted already: unlinked if it is the tenant's
+            try:
+                header = await read_header(volume, segment, quarantined=True)
+            except SegmentFormatError:  # torn or foreign bytes: not attributable to a tenant
+                continue
+            if header.tenant == tenant:
+                await volume.delete_quarantined(segment)
+                segments, blocks = segments + 1, blocks + header.n_blocks
     await store.fence.finish(tenant, epoch)
     log.info("purged tenant %r up to epoch %d: %d segments, %d blocks", tenant, epoch, segments, blocks)
     return PurgeResult(segments, blocks)
@@ -59,12 +69,17 @@ async def erase_segment(store: "BlockStore", vid: str, segment: str, root: bytes
     """Grave, unpublish, uncount, unlink, forget: in that order, each step idempotent. `root`: the
     chain root its index entries are under (None: it has none unless the ledger knows it)."""
     await store.ledger.condemn(vid, segment)
+    await _unpublish(store, vid, segment, root)
+    await store.volumes[vid].delete(segment)
+    await _unpublish(store, vid, segment, root)  # a reconciler that listed it before the grave may have republished it
+    await store.ledger.buried(vid, segment)
+    store.forget(segment)
+    store.stats.segments_deleted += 1
+
+
+async def _unpublish(store: "BlockStore", vid: str, segment: str, root: bytes | None) -> None:
     record = await store.ledger.record(vid, segment)
     if record is not None:
         await store.capacity.retire(vid, record)
     elif root is not None:
         await store.index.unpublish_segment(root, segment)
-    await store.volumes[vid].delete(segment)
-    await store.ledger.buried(vid, segment)
-    store.forget(segment)
-    store.stats.segments_deleted += 1

@@ -111,6 +111,26 @@ class TenantQuotas:
                 turn.notify_all()
 
 
+    async def trim(self, tenant: str) -> int:
+        """After a save: evicts `tenant`'s least recently hit segments while its live bytes exceed its quota
+        (each writer process reserves only its own saves, so several writers together can pass the quota by
+        their saves in flight); returns the bytes evicted."""
+        quota = await self.of(tenant)
+        if not quota:
+            return 0
+        ledger, volumes, evicted = self.store.ledger, list(self.store.volumes), 0
+        async with self._turns.setdefault(tenant, asyncio.Condition()):
+            while await ledger.tenant_used(volumes, tenant) > quota:
+                least = [(found[1], v, found[0]) for v in volumes
+                         if (found := await ledger.tenant_least_recent(v, tenant)) is not None]
+                if not least:
+                    break
+                _, vid, record = min(least, key=lambda found: found[0])
+                evicted += await self.store.capacity.retire(vid, record)
+        self.store.stats.evictions += evicted
+        return evicted
+
+
 class Reservation:
     """Bytes of one save held in its tenant's quota until the ledger counts them."""
 

@@ -26,15 +26,16 @@ MiB = 1 << 20
 MAX_CACHED_HEADERS = 4096
 
 
-async def read_header(volume: Volume, segment: str) -> SegmentHeader:
-    """The header of a segment object, read from its volume (one 4 KiB read, two for large headers).
-    Raises SegmentMissing if there is no such object, SegmentFormatError if it is not a segment."""
-    head = await volume.read(segment, 0, 4096)
+async def read_header(volume: Volume, segment: str, quarantined: bool = False) -> SegmentHeader:
+    """The header of a segment object (in `quarantine/` if `quarantined`), read from its volume (one 4 KiB read,
+    two for large headers). Raises SegmentMissing if there is no such object, SegmentFormatError if it is not a
+    segment."""
+    head = await volume.read(segment, 0, 4096, quarantined)
     if not head:
         raise SegmentMissing(f"segment {segment} is not on volume {volume.id}")
     length = header_length(head)
     if PREAMBLE_BYTES + length > len(head):
-        head = await volume.read(segment, 0, PREAMBLE_BYTES + length)
+        head = await volume.read(segment, 0, PREAMBLE_BYTES + length, quarantined)
     return decode_header(head)
 
 

@@ -160,6 +160,10 @@ class BlockStore(SegmentReader):
                 for (first, count), volume in zip(spans, volumes)])
             await self._publish_all(hashes, start_block, written, tenant, ttl, room)
         await self._recheck(tenant, epoch, hashes[0], written)
+        try:
+            await self.quotas.trim(tenant)
+        except RedisError:  # the next save of the tenant trims it
+            log.warning("could not trim tenant %r to its quota after a save", tenant)
         total = sum(w.bytes for w in written)
         self.stats.blocks_written += new
         self.stats.segments_written += len(written)
@@ -211,7 +215,9 @@ class BlockStore(SegmentReader):
                 await self.index.publish(root, hashes[first:first + w.count], locations, tenant, ttl)
             except Exception as e:  # index unreachable: the published segments stay valid, the rest goes
                 self.stats.write_failures += 1
-                await self._delete(written[done:])
+                with contextlib.suppress(Exception):  # counted, perhaps half published: uncount and unpublish it
+                    await self.capacity.retire(w.volume.id, SegmentRecord(w.segment, root, w.bytes, tenant))
+                await self._delete(written[done:])  # (with the index down, reconciliation does: dangling)
                 raise SegmentWriteError(f"publishing failed after {done} of {len(written)} segments: {e!r}") from e
 
     async def _delete(self, written: list[_Written]) -> None:

@@ -124,9 +124,9 @@ class Volume:
         self.unmap(segment)
         await self.store.write(segment_key(segment), None)
 
-    async def read(self, segment: str, offset: int, length: int) -> bytes:
+    async def read(self, segment: str, offset: int, length: int, quarantined: bool = False) -> bytes:
         """Up to `length` bytes at `offset`; shorter (possibly empty) if the object is shorter or gone."""
-        key = segment_key(segment)
+        key = QUARANTINE_DIR + segment if quarantined else segment_key(segment)
         try:
             result = await self.store.read(key, byte_range=slice(offset, offset + length))
         except ValueError as e:  # tensorstore refuses a range past the end: read what there is
@@ -232,6 +232,15 @@ class Volume:
         if found.state == "value":
             await self.store.write(QUARANTINE_DIR + segment, found.value)
             await self.store.write(segment_key(segment), None)
+
+    async def quarantined(self) -> list[str]:
+        """The segment objects in `quarantine/`."""
+        keys = await self.store.list(ts.KvStore.KeyRange(QUARANTINE_DIR, QUARANTINE_DIR[:-1] + "0"))
+        names = [k.decode()[len(QUARANTINE_DIR):] for k in keys]
+        return [n for n in names if SEGMENT_ID.match(n)]
+
+    async def delete_quarantined(self, segment: str) -> None:
+        await self.store.write(QUARANTINE_DIR + segment, None)
 
     async def segments(self) -> list[str]:
         keys = await self.store.list(ts.KvStore.KeyRange(SEGMENT_DIR, SEGMENT_DIR[:-1] + "0"))

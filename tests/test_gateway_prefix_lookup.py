@@ -165,3 +165,16 @@ async def test_without_admission_no_sightings_are_kept_and_every_block_is_writte
     client = sync_redis.Redis.from_url(redis_url)
     assert not list(client.scan_iter(match="dikv:*:n:*"))
     client.close()
+
+
+async def test_under_admission_a_prompt_without_blocks_or_a_failed_lookup_writes_nothing():
+    """A prompt too short for a cacheable block, or a lookup the index did not answer, has no sightings to go by:
+    under admission the engine writes none of its blocks (answer blocks included), not all of them."""
+    closed = open_redis(f"redis://127.0.0.1:{closed_port()}/0")
+    for index in (None, PrefixIndex(closed)):
+        lookup = PrefixLookup(index, 1.0, GatewayMetrics(), admit_after=2)
+        assert (await lookup.lookup([b"x" * 16], 10, B)).admitted == 0  # no cacheable block
+        assert (await lookup.lookup([b"x" * 16] * 3, 3 * B + 1, B)).admitted == 0  # no index, or no answer
+    assert (await PrefixLookup(PrefixIndex(closed), 1.0, GatewayMetrics()).lookup([b"x" * 16], 2 * B, B)
+            ).admitted is None  # without admission every block is written, as before
+    await closed.aclose()

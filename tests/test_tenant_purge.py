@@ -116,3 +116,29 @@ async def test_reconciliation_finishes_a_purge_its_driver_left(tmp_path, index):
         assert set(await tenants_on_volumes(store)) == {"beta"}
     finally:
         await store.close()
+
+
+async def test_a_purge_unlinks_the_tenants_quarantined_segments_and_keeps_others(tmp_path, index):
+    """Reconciliation keeps torn or foreign segments in quarantine/ for a human; a tenant's erasure unlinks those
+    whose header names it (a format switch quarantines a whole cache), and leaves other tenants' alone."""
+    store = await open_store(tmp_path, index)
+    try:
+        await store.save(chain("alpha", 1), latents(6, 1), tenant="alpha")
+        await store.save(chain("beta", 2), latents(6, 2), tenant="beta")
+        for volume in store.volumes.values():
+            for segment in await volume.segments():
+                await volume.quarantine(segment)
+        held = {v.id: await v.quarantined() for v in store.volumes.values()}
+        assert sum(map(len, held.values())) == 4  # two chains of 6 blocks in 4-block segments
+
+        epoch = await store.fence.begin_purge("alpha")
+        result = await erase_tenant(store, "alpha", epoch)
+
+        assert (result.segments, result.blocks) == (2, 6)
+        left = [await v.quarantined() for v in store.volumes.values()]
+        assert sum(map(len, left)) == 2
+        for volume in store.volumes.values():
+            for segment in await volume.quarantined():
+                assert (await read_header(volume, segment, quarantined=True)).tenant == "beta"
+    finally:
+        await store.close()

@@ -56,6 +56,24 @@ async def test_concurrent_saves_never_take_a_tenant_past_its_quota(tmp_path, ind
         await store.close()
 
 
+async def test_writers_in_two_processes_leave_a_tenant_within_its_quota_once_their_saves_end(tmp_path, index):
+    """Two stores over the same volumes and index, as the kvstore service and an engine that mounts them: each
+    reserves only its own saves, so together they can pass the quota while saves run; each save then trims its
+    tenant back to the quota, its least recently hit segments first."""
+    first = await open_store(tmp_path, index, n_volumes=2)
+    second = await open_store(tmp_path, index, n_volumes=2)
+    try:
+        quota = 3 * first._segment_bytes(4, "alpha")
+        await first.quotas.publish(0, {"alpha": quota})
+        await asyncio.gather(*(store.save(chain("alpha", s), latents(4, s), tenant="alpha")
+                               for s in range(12) for store in [(first, second)[s % 2]]))
+        assert 0 < await first.ledger.tenant_used(list(first.volumes), "alpha") <= quota
+        assert sum([(await index.lookup(chain("alpha", s))).blocks > 0 for s in range(12)]) <= 3
+    finally:
+        await first.close()
+        await second.close()
+
+
 async def test_a_ledger_written_before_tenants_were_counted_is_counted_once(tmp_path, index):
     store = await open_store(tmp_path, index, n_volumes=1)
     try:

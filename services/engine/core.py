@@ -375,6 +375,8 @@ class Engine:
         return seq.disk_tokens * self.token_bytes
 
     def _save(self, seq: Sequence) -> None:
+        if seq.fenced:  # a purge of its tenant began after it started: it leaves no block
+            return
         full = min(seq.settled // self.B, len(seq.pages))
         if seq.job.save_blocks is not None:  # admission: blocks seen too few times stay off the disk
             full = min(full, seq.job.save_blocks)

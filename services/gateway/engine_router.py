@@ -70,7 +70,9 @@ class EngineRouter:
             raise unavailable(f"No engine is ready to serve requests (0 of "
                               f"{len(self._pool.engines)} ready). Try again shortly.")
         prefixes: dict[tuple[str, int], tuple[list[bytes], Hit]] = {}
-        epoch = asyncio.ensure_future(self._lookup.epoch(job.tenant.name))  # read beside the prefix lookup
+        # The purge epoch is read before the prefix lookup: a purge that begins after this read fences the job (its
+        # saves and pages), and one that began before it has erased what the lookup could find.
+        epoch = await self._lookup.epoch(job.tenant.name)
         if job.engine is not None:
             ranked = self._pinned(job.engine)
         else:
@@ -87,7 +89,7 @@ class EngineRouter:
             try:
                 stack.enter_context(self._pool.claim(engine))
                 events = await stack.enter_async_context(
-                    engine.client.generate(engine_job_body(job, hashes, hit, max_tokens, await epoch)))
+                    engine.client.generate(engine_job_body(job, hashes, self._savable(hit, epoch), max_tokens, epoch)))
                 stack.push_async_callback(events.aclose)
                 first = await anext(events)
             except EngineUnavailable as failure:
@@ -168,6 +170,11 @@ class EngineRouter:
         # the client cannot know the prompt's length in tokens before sending it.
         left = stats.max_context - prompt
         return min(self._default_max_tokens if requested is None else requested, left)
+
+    def _savable(self, hit: Hit, epoch: int | None) -> Hit:
+        """The hit as the job carries it: with a purge fence configured but its epoch unread (the index did not
+        answer), the job may save nothing, since a purge could not fence its saves."""
+        return hit._replace(admitted=0) if epoch is None and self._lookup.fence is not None else hit
 
     async def _hashes_and_hit(self, job: GenerationJob, stats: EngineStats
                               ) -> tuple[list[bytes], Hit]:

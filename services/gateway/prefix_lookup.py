@@ -33,8 +33,9 @@ class PrefixLookup:
 
     async def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, block_tokens: int) -> Hit:
         hashes = hashes[:cacheable_blocks(prompt_tokens, block_tokens)]
+        unseen = miss()._replace(admitted=0 if self._admit_after > 1 else None)  # admission writes nothing unseen
         if not hashes or self._index is None:
-            return miss()
+            return unseen
         try:
             hit = await asyncio.wait_for(self._index.lookup(hashes, self._admit_after, int(self._admit_window_s)),
                                          self._timeout_s)
@@ -46,7 +47,7 @@ class PrefixLookup:
                 log.warning("prefix lookup of %d blocks failed, serving as a miss (logged at "
                             "most every %.0f s; see gateway_prefix_lookup_failures_total): %r",
                             len(hashes), _FAILURE_LOG_INTERVAL_S, error)
-            return miss()
+            return unseen
         hit = hit.truncated(len(hashes))
         self._metrics.lookup_hit_tokens.inc(hit.blocks * block_tokens)
         if self._admit_after <= 1:
