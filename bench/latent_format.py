@@ -212,10 +212,10 @@ def table(r: dict) -> str:
                      f"{f['cold_ttft_median_s'] * 1e3:.0f}",
                      "1 (reference)" if name == "bf16" else f"{r['drift']['top1_agreement']:.3f}",
                      "0 (reference)" if name == "bf16" else f"{r['drift']['max_abs_logprob_diff']:.4f}"])
-    return markdown_table(["format", "bytes/token/layer on disk (files)", "latent bytes/token/layer",
-                           f"cold disk-hit TTFT, median ms ({r['tokens']}-token prompts)",
-                           f"top-1 agreement of the next token ({r['drift']['prompts']} prompts)",
-                           f"max abs logprob diff, first {r['answer']} tokens"], rows)
+    return markdown_table(["format", "B/token/layer, files", "B/token/layer, latents",
+                           f"cold hit TTFT ms ({r['tokens']} tokens)",
+                           f"top-1 agreement ({r['drift']['prompts']} prompts)",
+                           f"max abs logprob diff ({r['answer']} tokens)"], rows)
 
 
 def notes(r: dict) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 import os
 import platform
 import re
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "bench" / "out"
 BENCHMARKS = ROOT / "BENCHMARKS.md"
+NOTE_WIDTH = 116  # a section's notes are wrapped: BENCHMARKS.md keeps lines outside code under 160 characters
 # The CPU kernels' paths differ by kind of CPU (model.cpu_kernels.cpu_kind): benchmarks of them report each kind
 # in its own section of BENCHMARKS.md and its own plot, so one machine's rows never overwrite another's.
 CPU_SECTIONS = {"amx": "", "avx512": ", a CPU without AMX", "avx2": ", a CPU with AVX2 alone",
@@ -56,12 +58,15 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
 
 
 def section_body(command: str, machine: str, table: str, figure: str | None = None, notes: Iterable[str] = ()) -> str:
-    """The body of a benchmark's section: the command in backticks, a "Machine:" line, ONE table, the figure
-    (a file name under bench/results/), then notes computed from the run's own numbers, one bullet each."""
-    parts = [f"`{command}`", f"Machine: {machine}", table.strip()]
+    """The body of a benchmark's section: the command (in backticks, ending in a hard line break; a shell block when
+    long), a "Machine:" line, ONE table, the figure (a file name under bench/results/), then notes computed from the
+    run's own numbers, one bullet each, wrapped."""
+    shown = f"`{command}`\\\n" if len(command) < NOTE_WIDTH else f"```sh\n{command}\n```\n\n"
+    parts = [f"{shown}Machine: {machine}", table.strip()]
     if figure:
         parts.append(f"![{Path(figure).stem}](bench/results/{figure})")
-    notes = [f"- {note}" for note in notes]
+    notes = [textwrap.fill(note, NOTE_WIDTH, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False,
+                           break_long_words=False) for note in notes]
     if notes:
         parts.append("\n".join(notes))
     return "\n\n".join(parts)

@@ -17,12 +17,12 @@ def _row(label: str, s: dict) -> list:
                f"{e['decode_s']:.1f}", f"{e['compile_s']:.1f}"] if e else ["-"] * 4)
     return [label, f"{s['completed']}/{s['requests']}", f"{s['duration_s']:.1f}", f"{s['request_throughput']:.3f}",
             f"{s['output_token_throughput']:.2f}", f"{s['hit_tokens']}/{s['total_input_tokens']}",
-            *(_ms(s["ttft_s"], k) for k in ("p50", "p99")), *(_ms(s["tpot_s"], k) for k in ("p50", "p99")),
-            *(_ms(s["itl_s"], k) for k in ("p50", "p99")), *engine]
+            *(_ms(s["ttft_s"], k) for k in ("p50", "p99")), *(_ms(s["tpot_s"], k) for k in ("p50", "p99")), *engine]
 
 
-HEADER = ["run", "ok", "s", "req/s", "output tok/s", "hit / prompt tokens", "TTFT p50 ms", "p99", "TPOT p50 ms", "p99",
-          "ITL p50 ms", "p99", "engine busy s", "prefill s", "decode s", "compiling s"]
+# ITL percentiles, TTFT/TPOT means and p90s are in the run's JSON (bench/out/NAME.json).
+HEADER = ["run", "ok", "s", "req/s", "out tok/s", "hit / prompt tok", "TTFT p50 ms", "p99", "TPOT p50 ms", "p99",
+          "engine busy s", "prefill s", "decode s", "compiling s"]
 
 
 def _levels(levels: dict, prefix: str = "") -> list[tuple[str, dict]]:
@@ -176,22 +176,18 @@ def write(result: dict) -> None:
         rows = _levels(sweep)
         if "poisson" in result:
             rows.append((f"Poisson {result['poisson']['rate']}/s", result["poisson"]))
+        rows += [(f"{c} users, cache off", s) for c, s in result.get("cache_off", {}).items()]
         rows += _levels(result.get("peer", {}).get("sweep", {}), f"{peer_name(result)}: ")
         figures = plots(result, name)
         report.section(f"Serving: users sweep (serve_bench{beside})", command, machine,
                        report.markdown_table(HEADER, [_row(label, s) for label, s in rows]),
-                       figures[0] if figures else None, [workload(result), *sweep_goals(result)])
-    if "cache_off" in result:
-        rows = [(f"{c} users, cache on", sweep[c]) for c in result["cache_off"] if c in sweep]
-        rows += [(f"{c} users, cache off", s) for c, s in result["cache_off"].items()]
-        report.section(f"Serving: cache on and off (serve_bench{beside})", command, machine,
-                       report.markdown_table(HEADER, [_row(label, s) for label, s in rows]), None,
-                       [workload(result), *cache_goals(result)])
+                       figures[0] if figures else None,
+                       [workload(result), *sweep_goals(result), *(cache_goals(result) if "cache_off" in result else [])])
     inter = result.get("interference")
     if inter:
         table = report.markdown_table(
-            ["streams", "long prompt", "idle TPOT p50 / p99 ms", "gap per token, long prefill p50 / p99 ms",
-             "gap per chunk p50 / p99 ms", "long TTFT alone s", "among streams s", "64-token TTFT idle / during s"],
+            ["streams", "long prompt", "idle TPOT p50/p99 ms", "token gap p50/p99 ms", "chunk gap p50/p99 ms",
+             "TTFT alone s", "among streams s", "64-token TTFT idle/during s"],
             [[inter["streams"], inter["long_tokens"], f"{_ms(inter['idle_tpot_s'], 'p50')} / "
               f"{_ms(inter['idle_tpot_s'], 'p99')}", _token_gaps(inter), f"{_ms(inter['during_itl_s'], 'p50')} / "
               f"{_ms(inter['during_itl_s'], 'p99')}", f"{inter['long_alone_ttft_s']:.1f}",

@@ -92,8 +92,8 @@ def index_table(index: dict) -> str:
                      f"{_gb(b['deepseek-v3']['bytes_read'])} / {_gb(b['deepseek-v3']['bytes_written'])}",
                      f"{b['deepseek-v3']['read_GBps_avg']:.2f} / {b['deepseek-v3']['written_GBps_avg']:.2f}"])
     return report.markdown_table(
-        ["capacity (tokens)", "hit ratio", "of ceiling", "requests >= 50% hit", "cached behind a gap",
-         "segments evicted", "mini GB read / written", "V3 GB read / written", "V3 GB/s avg read / write"], rows)
+        ["capacity (tokens)", "hit ratio", "of ceiling", ">= 50% hit", "behind a gap", "evicted",
+         "mini GB read / written", "V3 GB read / written", "V3 GB/s read / write"], rows)
 
 
 def index_notes(index: dict) -> list[str]:
@@ -139,18 +139,19 @@ ADMISSION_PLOT = report.RESULTS / "trace_admission.png"
 
 
 def admission_table(admission: dict) -> str:
-    rows = []
+    """A row per workload and capacity; each cell lists the values for N = the run's --admit-after values."""
+    rows, ns = [], sorted({r["admit_after"] for w in admission["workloads"] for r in w["rows"]})
     for w in admission["workloads"]:
-        base = {r["label"]: r for r in w["rows"] if r["admit_after"] == 1}
-        for r in w["rows"]:
-            first = base[r["label"]]
-            rows.append([w["name"], r["label"], r["admit_after"], f"{r['hit_ratio']:.1%}",
-                         f"{100 * (r['hit_ratio'] - first['hit_ratio']):+.1f}", f"{r['hit_tokens'] / 1e6:,.1f}M",
-                         _gb(r["bytes_written"]), f"{r['bytes_written'] / first['bytes_written']:.2f}",
-                         f"{r['bytes_written'] / max(1, r['bytes_read']):.2f}"])
-    return report.markdown_table(["workload", "capacity (tokens)", "N", "hit ratio", "points vs N = 1", "hit tokens",
-                                  f"{admission['geometry']} GB written", "writes vs N = 1", "bytes written / read"],
-                                 rows)
+        for label in dict.fromkeys(r["label"] for r in w["rows"]):
+            by_n = {r["admit_after"]: r for r in w["rows"] if r["label"] == label}
+            first = by_n[1]
+            rows.append([w["name"], label, " / ".join(f"{by_n[n]['hit_ratio']:.1%}" for n in ns),
+                         " / ".join(f"{by_n[n]['hit_tokens'] / 1e6:,.1f}M" for n in ns),
+                         " / ".join(_gb(by_n[n]["bytes_written"]) for n in ns),
+                         " / ".join(f"{by_n[n]['bytes_written'] / first['bytes_written']:.2f}" for n in ns)])
+    each = " / ".join(map(str, ns))
+    return report.markdown_table(["workload", "capacity (tokens)", f"hit ratio, N = {each}", "hit tokens",
+                                  f"{admission['geometry']} GB written", "writes vs N = 1"], rows)
 
 
 def admission_notes(admission: dict) -> list[str]:

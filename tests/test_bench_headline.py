@@ -18,6 +18,7 @@ def test_the_small_headline_run_measures_every_path_length_and_batch(tmp_path):
     assert len({r["run"] for r in rows}) == 1 and not [r for r in rows if r["kind"] == "skipped"]
     of = {kind: [r for r in rows if r["kind"] == kind] for kind in ("setup", "limits", "bound", "ttft", "decode")}
     assert len(of["setup"]) == len(of["limits"]) == 1
+    assert "cores" in of["setup"][0]["machine"] and "load average" in of["setup"][0]["machine"]
     limits = of["limits"][0]
     assert min(limits["disk"]["gbps"], limits["tflops"], limits["device_read_gbps"],
                limits["host_to_device_gbps"]) > 0

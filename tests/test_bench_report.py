@@ -5,11 +5,16 @@ from bench import report
 def test_a_section_is_command_machine_one_table_figure_and_notes():
     body = report.section_body("python -m bench.x --a 1", report.machine(),
                                report.markdown_table(["n", "s"], [[1, "0.5"]]), "x.png", ["ratio 2.00x"])
-    command, machine, table, figure, notes = body.split("\n\n")
-    assert command == "`python -m bench.x --a 1`"
+    head, table, figure, notes = body.split("\n\n")
+    command, machine = head.split("\n")
+    assert command == "`python -m bench.x --a 1`\\"  # a hard line break before the machine line
     assert machine.startswith("Machine: ") and "cores" in machine and "(1/5/15 min) at the start" in machine
     assert table.splitlines() == ["| n | s |", "|---|---|", "| 1 | 0.5 |"]
     assert figure == "![x](bench/results/x.png)" and notes == "- ratio 2.00x"
+    long = report.section_body("python -m bench.x " + "--flag value " * 12, "Machine line", "| t |", None,
+                               ["word " * 40])
+    assert long.startswith("```sh\npython -m bench.x --flag value") and "\n```\n\nMachine: Machine line" in long
+    assert max(len(line) for line in long.split("```")[-1].splitlines()) <= report.NOTE_WIDTH  # notes wrapped
 
 
 def test_update_section_replaces_its_own_section_and_appends_a_new_one(tmp_path):
