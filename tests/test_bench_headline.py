@@ -56,4 +56,4 @@ def test_the_small_headline_run_measures_every_path_length_and_batch(tmp_path):
     for r in of["decode"]:
         assert r["context"] == 1024 and r["step_s"] > 0 and r["tokens_per_s"] > 0
     summary = headline.summarize(records)
-    assert summary.count("| 4,096 |") == len(headline.PATHS) and "Pass mark on a GPU" in summary
+    assert summary.count("| 4,096 |") == 1 and "Pass mark on a GPU" in summary  # a row per length

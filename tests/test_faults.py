@@ -173,7 +173,8 @@ def test_redis_down_serves_misses_and_caching_resumes_when_it_is_back(stack):
         assert usage.prompt_cache_hit_tokens == 0
         wait_for_saves(stack)
         assert metric(stack.gateway_url, "gateway_prefix_lookup_failures_total") >= lookup_failures + 2
-        assert engines_metric(stack, FAILED_SAVES) > failed_saves
+        # The gateway could not read the tenant's purge epoch: a save it could not fence is never attempted.
+        assert engines_metric(stack, FAILED_SAVES) == failed_saves
     finally:
         stack.valkey.start()
     assert stack.valkey.port == port

@@ -82,6 +82,7 @@ def test_every_admin_endpoint_refuses_missing_or_wrong_tokens(stack):
                f"Bearer {ADMIN_TOKEN.upper()}"]
     for url, service_routes in routes.items():
         for method, path in service_routes:
+            path = re.sub(r"\{[^}]+\}", "some-tenant", path)  # a route's variable parts, filled in
             body = b'{"all": true}' if method == "POST" else None
             for authorization in refused:
                 headers = {"Content-Type": "application/json"}

