@@ -45,7 +45,7 @@ import numpy as np
 from bench.kv_bench import drop_caches, free_port
 from bench.report import OUT, command_line, machine, markdown_table, save_figure, section
 from bench.ttft_bounds import suffix_flops
-from kvstore import CacheGeometry, PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
+from kvstore import PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
 from model.config import ModelConfig, preset
 from model.runner import DecodeRow
 from model.sampling import SamplingParams
@@ -284,11 +284,9 @@ class Served:
     """The engine on its model thread over `volumes` and a Valkey index, as the engine service runs it."""
 
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
-        self.cfg, self.fingerprint = cfg, loaded.fingerprint
-        g = loaded.config
-        geometry = CacheGeometry(g.num_layers, g.latent_dim, cfg.block_tokens, g.cache_dtype)
+        self.cfg = cfg
         self.metrics = EngineMetrics()
-        self.cache = CacheLink(cfg, geometry, loaded.fingerprint)
+        self.cache = CacheLink.for_model(cfg, loaded.config, loaded.fingerprint)  # cfg's latent format's cache
         self.engine = Engine(loaded, cfg, self.cache, self.metrics)
         self.index = PrefixIndex(open_redis(cfg.redis_url), cfg.index_prefix)
         self._ids = itertools.count()
@@ -330,7 +328,7 @@ class Served:
 
     async def saved_hit(self, tokens: np.ndarray, timeout_s: float = 600):
         """The index's hit for the prompt's prefix (as the gateway looks it up), once every save is durable."""
-        hashes = block_hashes(tokens.tolist(), self.fingerprint, SALT, BLOCK)[:cacheable_blocks(len(tokens), BLOCK)]
+        hashes = block_hashes(tokens.tolist(), self.cache.fingerprint, SALT, BLOCK)[:cacheable_blocks(len(tokens), BLOCK)]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             found = await self.index.lookup(hashes)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import os
 import shutil
 import statistics
@@ -30,27 +29,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.headline import compiled_s, evict, resident_bytes
+from bench import headline
+from bench.headline import SALT, compiled_s, evict, resident_bytes  # Served hashes with headline's salt
 from bench.kv_bench import free_port
 from bench.report import main as report_main
 from bench.report import markdown_table, pyplot, save_figure, section
-from kvstore import PrefixIndex, block_hashes, cacheable_blocks, miss, open_redis
+from kvstore import miss
 from kvstore.segment import decode_header
 from model.config import preset
 from model.sampling import SamplingParams
 from model.weights import LoadedModel, init_on_device
-from services.engine.cache_link import CacheLink
 from services.engine.config import EngineConfig
-from services.engine.core import Engine
-from services.engine.engine_metrics import EngineMetrics
 from services.engine.sequence import Job
 
 NAME = "latent_format"
 TITLE = "FP8 latents on disk (mini, random weights)"
 FIGURE = "latent_format.png"
 FORMATS = ("bf16", "fp8")
-BLOCK = 64
-SALT = "7c" * 16
 WEIGHTS_DIGEST = "random-seed-0"  # init_on_device(cfg, seed=0)
 
 
@@ -58,26 +53,8 @@ def say(message: str) -> None:
     print(f"[latent_format {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-class Served:
-    """An engine of one latent format on its model thread, over the shared volumes and index."""
-
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig):
-        self.cfg, self.cache = cfg, CacheLink.for_model(cfg, loaded.config, loaded.fingerprint)
-        self.engine = Engine(loaded, cfg, self.cache, EngineMetrics())
-        self.index = PrefixIndex(open_redis(cfg.redis_url), cfg.index_prefix)
-        self._ids = itertools.count()
-
-    async def start(self) -> None:
-        await self.cache.start()
-        while self.cache.store is None:
-            await asyncio.sleep(0.05)
-        self.engine.warm_up()
-        self.engine.start(asyncio.get_running_loop())
-
-    async def close(self) -> None:
-        await self.engine.stop(60)
-        await self.cache.close()
-        await self.index.redis.aclose()
+class Served(headline.Served):
+    """headline's engine on its model thread, in one latent format; its answers carry their logprobs."""
 
     async def generate(self, tokens: np.ndarray, answer: int, hit=None) -> dict:
         """Greedy answer with its logprobs; TTFT from Engine.run called to the first token event."""
@@ -97,18 +74,8 @@ class Served:
         return {"ttft_s": first - begin, "ids": ids, "logprobs": logprobs, "top_logprobs": top,
                 "disk_tokens": done["tiers"]["disk"]}
 
-    async def saved_hit(self, tokens: np.ndarray, timeout_s: float = 300):
-        hashes = block_hashes(tokens.tolist(), self.cache.fingerprint, SALT, BLOCK)
-        hashes = hashes[:cacheable_blocks(len(tokens), BLOCK)]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = await self.index.lookup(hashes)
-            if not self.engine.tiers.saves and found.blocks == len(hashes):
-                return found
-            await asyncio.sleep(0.02)
-        raise TimeoutError(f"{found.blocks} of {len(hashes)} blocks published after {timeout_s} s")
-
     def segment_files(self) -> set[Path]:
+        """The segment objects alone (headline's are every file on the volumes): their sizes are the format's bytes."""
         return {p for volume in self.cfg.volumes for p in (Path(volume) / "segments").glob("*") if p.is_file()}
 
 
