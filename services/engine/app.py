@@ -192,6 +192,7 @@ class EngineState:
         self.loaded = None
         self.ready = False
         self.load_error: str | None = None
+        self.engine_id = uuid.uuid4().hex  # this process's name in KV events and leases (addresses differ per viewer)
 
     async def start(self) -> None:
         try:
@@ -222,7 +223,8 @@ class EngineState:
             await self.cache.close()
 
     def stats(self) -> dict:
-        out = {"ready": self.ready, "load_error": self.load_error, "block_tokens": self.cfg.block_tokens}
+        out = {"ready": self.ready, "load_error": self.load_error, "block_tokens": self.cfg.block_tokens,
+               "role": self.cfg.role, "engine_id": self.engine_id}
         if self.loaded is not None:
             c = self.loaded.config
             out |= {"model": c.name, "fingerprint": self.loaded.fingerprint, "max_context": c.max_context,

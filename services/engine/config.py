@@ -12,6 +12,7 @@ from services.common.logs import check_log_format
 
 POOL_MEMORY_SHARE = 0.05  # of physical memory, per engine replica, when no pool size is given
 POOL_GIB_CAP = 1.0
+ROLES = ("both", "prefill", "decode")
 
 
 def _memory_bytes() -> int:
@@ -24,6 +25,9 @@ class EngineConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8200, metadata={"help": "port to bind"})
+    role: str = field(default="both", metadata={
+        "help": "prefill (prefills a prompt, saves its blocks, returns the first token), decode (takes a prefilled "
+                "prompt's blocks from the cache and decodes) or both; a gateway splits requests when both pools exist"})
     model_dir: str = field(default="", metadata={"help": "a saved or converted model directory (overrides preset)"})
     preset: str = field(default="mini", metadata={"help": "model preset when no model_dir: tiny, mini, ..."})
     models_dir: str = field(default="data/models", metadata={"help": "where preset weights are created on first run"})
@@ -101,6 +105,8 @@ class EngineConfig:
         if self.kvstore_url and self.volumes:
             raise ValueError("give either --kvstore-url (remote cache) or --volume (mounted), not both")
         check_log_format(self.log_format)
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.cache_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"cache_dtype must be bfloat16 or float32, got {self.cache_dtype!r}")
         check_serving_dtype(self.dtype)
