@@ -148,9 +148,18 @@ def parse_job(body: object, fingerprint: str, block_tokens: int, vocab_size: int
     token_array = np.asarray(tokens, np.int64)
     digest = _field(body, "logits_digest", bool, False)
     save_blocks = _field(body, "save_blocks", int, None, low=0, high=INT31)
+    handoff = _field(body, "handoff", bool, False)
+    generated = tuple(_int_list(body, "generated"))
+    if len(generated) > 1 or len(generated) >= params.max_tokens:
+        raise BadJob("'generated' holds at most one token (a prefill engine's first), fewer than max_tokens",
+                     "generated")
+    if handoff and generated:
+        raise BadJob("a handoff job starts a generation: 'generated' must be empty", "generated")
+    known = np.asarray([*tokens, *generated], np.int64)  # a hit may cover every full block before the next token
     return Job(request_id, token_array, tenant, salt,
-               _parse_hit(body.get("hit"), token_array, fingerprint, salt, block_tokens), params, retention, digest,
-               grammar, save_blocks, epoch=_field(body, "tenant_epoch", int, None, low=0, high=INT63))
+               _parse_hit(body.get("hit"), known, fingerprint, salt, block_tokens), params, retention, digest,
+               grammar, save_blocks, epoch=_field(body, "tenant_epoch", int, None, low=0, high=INT63),
+               handoff=handoff, generated=generated)
 
 
 def _parse_hit(raw: object, tokens: np.ndarray, fingerprint: str, salt: str, block_tokens: int) -> Hit:

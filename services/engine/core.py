@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from kvstore import cacheable_blocks, extend_block_hashes
+from kvstore import extend_block_hashes
 from kvstore.latent_format import row_codec
 from model.attention import make_backend
 from model.latent_pool import LatentPool, pow2
@@ -102,11 +102,19 @@ class Engine:
 
     def check(self, job: Job) -> GrammarState | None:
         """The job's grammar compiled; ValueError for bad ids or a prompt too long, GrammarError for a bad grammar."""
-        self.runner.check_tokens(job.tokens, job.params.max_tokens)
-        if self.blocks.pages_for(job.tokens.size + 1) > self.blocks.usable:
+        self.runner.check_tokens(np.concatenate([job.tokens, np.asarray(job.generated, np.int64)]),
+                                 job.params.max_tokens - len(job.generated))
+        if self.blocks.pages_for(job.tokens.size + len(job.generated) + 1) > self.blocks.usable:
             raise TooLarge(f"prompt of {job.tokens.size} tokens does not fit this engine's latent pool of "
                            f"{self.blocks.usable * self.B} tokens")
-        return None if job.grammar is None else self.grammars.state(job.grammar)
+        if job.grammar is None:
+            return None
+        grammar = self.grammars.state(job.grammar)
+        for i, token in enumerate(job.generated):  # the prefill engine's tokens, taken as it took them
+            left = min(job.params.max_tokens - i, self.loaded.config.max_context - job.tokens.size - i)
+            if token in self.stops or grammar.take(token, left) != token:
+                raise ValueError(f"generated token {token} does not continue the grammar")
+        return grammar
 
     async def run(self, job: Job, grammar: GrammarState | None = None) -> AsyncIterator[dict]:
         """The request's events: a first 'progress' (admitted to the queue), tokens, then 'done'."""
@@ -116,7 +124,8 @@ class Engine:
         hashes = (await asyncio.to_thread(extend_block_hashes, *args) if job.tokens.size >= 16_384
                   else extend_block_hashes(*args))
         seq = Sequence(job, request_seed(job.params), asyncio.Queue(), asyncio.get_running_loop(),
-                       tokens=[int(t) for t in job.tokens], hashes=hashes)
+                       tokens=[int(t) for t in (*job.tokens, *job.generated)], hashes=hashes,
+                       generated=len(job.generated))
         if job.grammar is not None:
             seq.grammar = grammar if grammar is not None else self.grammars.state(job.grammar)
         self._count(waiting=1)
@@ -234,7 +243,7 @@ class Engine:
             self._count(waiting=-1, active=1)
             seq.memory_tokens = seq.computed
         seq.published_blocks = len(memory)
-        usable = min(seq.job.hit.blocks, cacheable_blocks(seq.target, self.B))
+        usable = min(seq.job.hit.blocks, seq.reusable_blocks(self.B))
         if self.tiers.store is not None and usable * self.B > seq.computed:
             self.tiers.load(seq, usable * self.B)
         else:  # the memory tier holds what the index has on disk: those blocks need no second write
@@ -337,12 +346,18 @@ class Engine:
             self._finish(seq, "stop")  # only the end may follow: no EOS token is emitted
         elif seq.generated >= seq.job.params.max_tokens or len(seq.tokens) >= self.loaded.config.max_context:
             self._finish(seq, "length")
+        elif seq.job.handoff:
+            self._finish(seq, "handoff")  # a decode engine goes on from here
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self._release(seq, "ok")
-        self.metrics.generated_tokens.inc(seq.generated)
-        seq.emit(seq.done_event(self._disk_bytes(seq)))
+        self.metrics.generated_tokens.inc(seq.generated - len(seq.job.generated))
+        done = seq.done_event(self._disk_bytes(seq))
+        if seq.job.handoff:  # reported once its saves are published: the decode engine's lookup finds them
+            asyncio.run_coroutine_threadsafe(self.tiers.hand_off(seq, done), self.loop)
+        else:
+            seq.emit(done)
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.status is Status.WAITING and seq.preemptions == 0:

@@ -46,6 +46,11 @@ def _job(vocab_size: int, max_context: int) -> dict:
             "retention": {"type": "string", "enum": list(RETENTION_CLASSES)},
             "save_blocks": {"type": "integer", "minimum": 0, "maximum": INT31 - 1,
                             "description": "admission: how many leading full blocks the engine may write to disk"},
+            "handoff": {"type": "boolean", "description": "a split request's prefill: stop after the first token; "
+                        "`done` (finish_reason handoff) comes once the prompt's blocks are saved, with handoff_blocks"},
+            "generated": {"type": "array", "items": token, "maxItems": 1,
+                          "description": "the first token a prefill engine sampled: decoding goes on after it "
+                                         "(then max_tokens >= 2, no handoff)"},
             "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT31 - 1}},
             "max_tokens": {"type": "integer", "minimum": 1, "maximum": INT31 - 1},
             "temperature": {"type": "number", "minimum": 0, "maximum": 2},

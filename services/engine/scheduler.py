@@ -13,7 +13,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from kvstore import cacheable_blocks
 from model.runner import MAX_PASS_TILES
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import Sequence, Status
@@ -92,7 +91,7 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.policy.max_batch:
             seq = self.waiting[0]
-            memory = self.blocks.grant(seq, cacheable_blocks(seq.target, self.policy.block_tokens))
+            memory = self.blocks.grant(seq, seq.reusable_blocks(self.policy.block_tokens))
             if memory is None:
                 break  # (a sequence that could never fit is refused before it is queued)
             self.waiting.popleft()
@@ -105,7 +104,7 @@ class Scheduler:
                  ) -> Plan:
         """The next step's plan; `in_flight`: sequences in a pass in flight (no segment); `slicing`: one is sliced."""
         preempted, ended = [], []
-        decode = self._grow([s for s in self.running if not s.prefilling], preempted, ended)
+        decode = self._grow([s for s in self.running if not s.prefilling and s.load is None], preempted, ended)
         p = self.policy
         decode_s = cost.decode_s(len(decode)) if cost is not None and decode else None
         sliced = slice_s = None

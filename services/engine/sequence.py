@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvstore import Hit, extend_block_hashes
+from kvstore import Hit, cacheable_blocks, extend_block_hashes
 from model.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:  # llguidance only where a request brings a grammar
@@ -29,6 +29,8 @@ class Job(NamedTuple):
     grammar: str | None = None  # llguidance grammar text (model.grammar.grammar_source): decoding is constrained
     save_blocks: int | None = None  # admission: the leading full blocks it may write to disk (None: every one)
     epoch: int | None = None  # the tenant's purge epoch when the gateway looked it up (kvstore/fence.py)
+    handoff: bool = False  # a split request's prefill: stop after the first token, report once its blocks are saved
+    generated: tuple[int, ...] = ()  # tokens a prefill engine sampled already: this engine decodes after them
 
 
 class Status(enum.Enum):
@@ -75,6 +77,7 @@ class Sequence:
     finish_reason: str = ""
     grammar: GrammarState | None = None
     fenced: bool = False  # its tenant was purged since its job began: it publishes nothing
+    saves: list = field(default_factory=list)  # (first block, end block, future of the store's result) per save
 
     @property
     def request_id(self) -> str:
@@ -88,6 +91,11 @@ class Sequence:
     def target(self) -> int:
         """Tokens to prefill: the prompt; after a preemption, everything but the last sampled token."""
         return len(self.tokens) if self.generated == 0 else len(self.tokens) - 1
+
+    def reusable_blocks(self, block_tokens: int) -> int:
+        """Leading full blocks of the target a cache may serve: every one once a token is sampled (the next decode step
+        feeds the last token), else all but the prompt's last token's (its logits give the first token)."""
+        return self.target // block_tokens if self.generated else cacheable_blocks(self.target, block_tokens)
 
     @property
     def remaining(self) -> int:

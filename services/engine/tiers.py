@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstore.store import SaveResult
 from model.latent_pool import SCRATCH_PAGE, LatentPool, pow2
 from services.common.request_context import current_request_id
 from services.engine.block_manager import BlockManager
@@ -207,12 +208,26 @@ class Tiers:
         with self._saves_lock:
             self.saves.add(future)
         future.add_done_callback(self._saved)
+        seq.saves.append((start, full, future))
+
+    async def hand_off(self, seq: Sequence, done: dict) -> None:
+        """Emits a handoff's 'done' once its saves end, with `handoff_blocks`: the leading blocks of its prompt the
+        index holds (its hit's and those its saves published, up to the first that failed)."""
+        published = seq.saves[0][0] if seq.saves else seq.saved_blocks
+        for start, end, future in seq.saves:
+            result = None if start > published else await asyncio.wrap_future(future)
+            if result is None:
+                break
+            published = start + result.blocks
+            if published < end:
+                break
+        seq.events.put_nowait(done | {"handoff_blocks": published})
 
     def _saved(self, future) -> None:
         with self._saves_lock:
             self.saves.discard(future)
 
-    async def _save(self, job: Job, hashes: list[bytes], layers: list, start: int) -> None:
+    async def _save(self, job: Job, hashes: list[bytes], layers: list, start: int) -> SaveResult | None:
         current_request_id.set(job.request_id)  # this task's writes carry it to the kvstore service
         try:
             host = await asyncio.to_thread(lambda: [self.latents.host(x) for x in layers])
@@ -220,9 +235,11 @@ class Tiers:
                                            epoch=job.epoch)
             self.metrics.saves.labels("ok").inc()
             self.metrics.saved_blocks.inc(result.blocks)
+            return result
         except Exception as error:  # noqa: BLE001 - a failed save never fails the request
             log.warning("request %s: saving %d blocks failed: %r", job.request_id, len(hashes) - start, error)
             self.metrics.saves.labels("failed").inc()
+            return None
 
     async def drain(self, timeout_s: float) -> None:
         """Waits for pending saves (each publishes only durable data)."""
