@@ -4,7 +4,7 @@ POST /internal/generate streams NDJSON events: {"type": "progress"} once admitte
 seconds while the request waits or prefills, {"type": "token", "id"} (with "logprob" and
 "top_logprobs" [[id, logprob], ...] when the job asked for logprobs), then {"type": "done",
 "finish_reason", "prompt_tokens", "cached_tokens", "timing"} (with "grammar_complete" when the job
-had a grammar), or {"type": "error", "message"}.
+had a grammar, "handoff_blocks" when it was a handoff), or {"type": "error", "message"}.
 The read timeout is a silence timeout: progress events keep a long prefill alive.
 503 + Retry-After means its queue is full; 400 carries an OpenAI-style error for bad input.
 Closing the response cancels the generation on the engine.
@@ -35,6 +35,7 @@ class DoneEvent(NamedTuple):
     cached_tokens: int   # prompt tokens loaded from the cache (after verification)
     timing: dict         # engine's own timings, seconds
     grammar_complete: bool | None = None  # None: the job had no grammar
+    handoff_blocks: int | None = None  # a handoff's: leading prompt blocks the index holds for the decode engine
 
 
 EngineEvent = TokenEvent | DoneEvent
@@ -143,10 +144,11 @@ class EngineClient:
                                      None if logprob is None else float(logprob),
                                      None if top is None else tuple((int(t), float(lp)) for t, lp in top))
                 elif kind == "done":
-                    complete = event.get("grammar_complete")
+                    complete, handed = event.get("grammar_complete"), event.get("handoff_blocks")
                     yield DoneEvent(event["finish_reason"], int(event["prompt_tokens"]),
                                     int(event["cached_tokens"]), event.get("timing") or {},
-                                    None if complete is None else bool(complete))
+                                    None if complete is None else bool(complete),
+                                    None if handed is None else int(handed))
                     return
                 elif kind == "error":
                     raise EngineUnavailable(self.url, f"engine error: {event.get('message')}")

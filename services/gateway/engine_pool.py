@@ -49,6 +49,7 @@ class EnginePool:
         self._resolve = resolve
         self._poll_s = poll_s
         self._poller: asyncio.Task | None = None
+        self._unresolved: set[str] = set()  # names whose last resolution failed (logged once per failure spell)
 
     async def start(self) -> None:
         await self.probe_all()
@@ -79,12 +80,17 @@ class EnginePool:
                 if not isinstance(answer, (OSError, ValueError)):
                     raise answer
                 kept = [e for e in self.engines if e.name == name]
-                log.warning("engine name %s did not resolve (%r); keeping its %d known address(es)",
-                            name, answer, len(kept))
+                if name not in self._unresolved:  # compose names a profile's engines that may not run
+                    log.warning("engine name %s did not resolve (%r); keeping its %d known address(es)",
+                                name, answer, len(kept))
+                self._unresolved.add(name)
                 for engine in kept:
                     engine.last_error = f"name did not resolve: {answer!r}"
                 engines += kept
                 continue
+            if name in self._unresolved:
+                log.info("engine name %s resolves again", name)
+                self._unresolved.discard(name)
             for url in answer:
                 engine = known.get((name, url))
                 if engine is None:

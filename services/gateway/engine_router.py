@@ -1,21 +1,30 @@
-"""Sending one generation to an engine: hashing, prefix lookup, least-loaded choice, retries.
+"""Sending one generation to an engine: hashing, prefix lookup, least-loaded choice, retries, the split.
 
 An engine that fails before the first token (unreachable, queue full, broken stream) is
 skipped and the next one tried; the user sees an error only when every engine failed. Once a
 token has been produced the request belongs to that engine.
+
+With engines of role prefill and of role decode both ready, a request is split: a prefill engine
+prefills the prompt, streams the first token and saves the prompt's full blocks through the store;
+a decode engine then takes the prompt as a hit on those blocks (recomputing none of them), computes
+the tail and decodes after the first token. A prefill engine that fails before its first token
+hands the request to the next one, then to the other engines undivided; one that fails after it
+leaves the decode engine to recompute what the index does not hold.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator, NamedTuple
 
 from kvstore.hashing import block_hashes
 from kvstore.location import Hit
-from services.gateway.engine_client import (EngineEvent, EngineRejected, EngineStats,
+from services.gateway.engine_client import (DoneEvent, EngineEvent, EngineRejected, EngineStats,
                                             EngineUnavailable)
-from services.gateway.engine_pool import EnginePool
+from services.gateway.engine_pool import EnginePool, EngineState
 from services.gateway.gateway_metrics import GatewayMetrics
 from services.gateway.openai_errors import OpenAIError, invalid, unavailable
 from services.gateway.openai_requests import Sampling
@@ -50,6 +59,27 @@ class Generation(NamedTuple):
     fingerprint: str = ""          # the engine's model fingerprint (the response's system_fingerprint)
 
 
+class _Started(NamedTuple):
+    engine: EngineState
+    stack: AsyncExitStack               # leaving it cancels the generation on the engine
+    first: EngineEvent
+    events: AsyncIterator[EngineEvent]  # the engine's events after `first`
+    hashes: list[bytes]
+    hit: Hit
+
+    def generation(self, events: AsyncIterator[EngineEvent]) -> Generation:
+        stats = self.engine.stats
+        return Generation(self.engine.client.url, self.hit.blocks * stats.block_tokens, self.first, events,
+                          stats.fingerprint)
+
+
+def _split(ranked: list[EngineState]) -> tuple[list[EngineState], list[EngineState]] | None:
+    """(prefill engines, decode engines) when both roles are ready, else None (requests run undivided)."""
+    prefill = [e for e in ranked if e.stats.role == "prefill"]
+    decode = [e for e in ranked if e.stats.role == "decode"]
+    return (prefill, decode) if prefill and decode else None
+
+
 class EngineRouter:
     def __init__(self, pool: EnginePool, lookup: PrefixLookup, metrics: GatewayMetrics,
                  default_max_tokens: int):
@@ -73,11 +103,40 @@ class EngineRouter:
         # The purge epoch is read before the prefix lookup: a purge that begins after this read fences the job (its
         # saves and pages), and one that began before it has erased what the lookup could find.
         epoch = await self._lookup.epoch(job.tenant.name)
+        failures: list[EngineUnavailable] = []
+        split = _split(ranked) if job.engine is None else None
+        if split is not None:
+            prefill, decode = split
+            started = await self._start(job, await self._prefer_hot(job, prefill, prefixes), prefixes, epoch,
+                                        failures, handoff=True)
+            if started is not None:
+                events = self._handed_off(job, started, decode, prefixes, epoch)
+                try:
+                    yield started.generation(events)
+                finally:
+                    await events.aclose()  # the decode engine's stream, if it began
+                    await started.stack.aclose()  # the prefill engine's, if still open
+                return
+            self._metrics.split_fallbacks.inc()  # every prefill engine failed: undivided, on the others
+            ranked = [e for e in ranked if e not in prefill] + [e for e in prefill if e.routable]
         if job.engine is not None:
             ranked = self._pinned(job.engine)
         else:
             ranked = await self._prefer_hot(job, ranked, prefixes)
-        failures: list[EngineUnavailable] = []
+        started = await self._start(job, ranked, prefixes, epoch, failures)
+        if started is None:
+            retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
+            raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
+                              "token. Try again shortly.", retry_after_s=min(retry_after, default=1))
+        async with started.stack:
+            yield started.generation(self._watched(started.engine, started.events))
+
+    async def _start(self, job: GenerationJob, ranked: list, prefixes: dict, epoch: int | None,
+                     failures: list[EngineUnavailable], handoff: bool = False, generated: tuple[int, ...] = (),
+                     handed: Callable[[list[bytes], Hit, EngineStats], Awaitable[Hit]] | None = None
+                     ) -> _Started | None:
+        """The job on the first engine of `ranked` that starts it; None when each failed (added to `failures`).
+        `handoff`: a split's prefill; `generated` and `handed` (its hit from the handoff): a split's decode."""
         for engine in ranked:
             stats = engine.stats
             max_tokens = self._max_tokens(job, stats)
@@ -85,11 +144,15 @@ class EngineRouter:
             if key not in prefixes:
                 prefixes[key] = await self._hashes_and_hit(job, stats)
             hashes, hit = prefixes[key]
+            if handed is not None:
+                hit = await handed(hashes, hit, stats)
+            body = engine_job_body(job, hashes, self._savable(hit._replace(admitted=None) if handoff else hit, epoch),
+                                   max_tokens, epoch)  # a handoff saves every block: the decode engine needs them
+            body |= {"handoff": True} if handoff else {"generated": list(generated)} if generated else {}
             stack = AsyncExitStack()
             try:
                 stack.enter_context(self._pool.claim(engine))
-                events = await stack.enter_async_context(
-                    engine.client.generate(engine_job_body(job, hashes, self._savable(hit, epoch), max_tokens, epoch)))
+                events = await stack.enter_async_context(engine.client.generate(body))
                 stack.push_async_callback(events.aclose)
                 first = await anext(events)
             except EngineUnavailable as failure:
@@ -103,13 +166,56 @@ class EngineRouter:
             except BaseException:
                 await stack.aclose()
                 raise
-            async with stack:
-                yield Generation(engine.client.url, hit.blocks * stats.block_tokens, first,
-                                 self._watched(engine, events), stats.fingerprint)
+            return _Started(engine, stack, first, events, hashes, hit)
+        return None
+
+    async def _handed_off(self, job: GenerationJob, prefill: _Started, decode: list, prefixes: dict,
+                          epoch: int | None) -> AsyncIterator[EngineEvent]:
+        """A split request's events after its first: the prefill engine's end, then the decode engine's tokens and
+        'done' (with the prefill's cached tokens: what the user's prompt hit)."""
+        first, prefilled = prefill.first, prefill.first if isinstance(prefill.first, DoneEvent) else None
+        begin = time.monotonic()
+        try:
+            async for event in prefill.events:
+                if isinstance(event, DoneEvent):
+                    prefilled = event
+                    break
+        except EngineUnavailable as failure:  # died saving: the decode engine recomputes what the index lacks
+            self._pool.mark_failed(prefill.engine, f"failed handing off: {failure.reason}")
+        await prefill.stack.aclose()  # the prefill engine's part is over
+        if prefilled is not None and prefilled.finish_reason != "handoff":
+            if prefilled is not first:
+                yield prefilled  # it ended at its first token (stop, length)
             return
-        retry_after = [f.retry_after_s for f in failures if f.retry_after_s is not None]
-        raise unavailable(f"All {len(failures)} engine(s) failed or were busy before the first "
-                          "token. Try again shortly.", retry_after_s=min(retry_after, default=1))
+        published = prefilled.handoff_blocks if prefilled is not None else None
+        cached = prefilled.cached_tokens if prefilled is not None else first.cached_tokens or 0
+
+        async def handed(hashes: list[bytes], hit: Hit, stats: EngineStats) -> Hit:
+            return await self._lookup.handoff(hashes, len(job.tokens), stats.block_tokens, published, hit)
+
+        # a decode engine (the one holding the prefix hot first), else any other: the prefill engine holds it hot too
+        candidates = await self._prefer_hot(job, [e for e in decode if e.routable], prefixes)
+        candidates += [e for e in self._pool.ranked() if e not in decode]
+        failures: list[EngineUnavailable] = []
+        started = await self._start(job, candidates, prefixes, epoch, failures, generated=(first.token_id,),
+                                    handed=handed)
+        if started is None:
+            raise EngineUnavailable(prefill.engine.client.url, f"no engine took the handoff ({len(failures)} failed)")
+        self._metrics.handoff_seconds.observe(time.monotonic() - begin)
+        async with started.stack:
+            events = self._watched(started.engine, started.events)
+            event = started.first
+            while True:
+                if isinstance(event, DoneEvent):
+                    timing = {**event.timing, "prefill": prefilled.timing if prefilled else None,
+                              "handoff_tokens": started.hit.blocks * started.engine.stats.block_tokens}
+                    yield event._replace(cached_tokens=cached, timing=timing)
+                    return
+                yield event
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    return
 
     async def _watched(self, engine, events: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
         """`events`, and the engine taken out of routing when they break: a replica killed in the

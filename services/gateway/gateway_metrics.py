@@ -34,6 +34,13 @@ class GatewayMetrics:
         self.hot_routes = Counter("gateway_hot_routes_total",
                                   "Requests routed to an engine that held their prefix in memory "
                                   "ahead of a less loaded one", registry=r)
+        self.split_fallbacks = Counter("gateway_split_fallbacks_total",
+                                       "Split requests run undivided because every prefill engine failed before "
+                                       "the first token", registry=r)
+        self.handoff_seconds = Histogram("gateway_handoff_seconds",
+                                         "Split requests: the prefill engine's first token to the decode engine's "
+                                         "first event (its saves, the lookup, the decode engine's start)",
+                                         buckets=_LATENCY_BUCKETS_S, registry=r)
         self.client_disconnects = Counter("gateway_client_disconnects_total",
                                           "Requests cancelled because the client went away",
                                           registry=r)

@@ -56,6 +56,23 @@ class PrefixLookup:
         self._metrics.admission_blocks.labels("deferred").inc(len(hashes) - hit.admitted)
         return hit
 
+    async def handoff(self, hashes: Sequence[bytes], prompt_tokens: int, block_tokens: int, published: int | None,
+                      hit: Hit) -> Hit:
+        """A split request's prefix as its prefill engine left it, for the decode engine: the leading run of the
+        prompt's full blocks (up to the `published` ones the prefill engine reported; None: unknown) the index holds,
+        no sighting counted; `hit` is the request's own lookup (its admission carries over). Any failure: `hit`."""
+        blocks = prompt_tokens // block_tokens  # every full block: the decode engine computes the first token's latent
+        hashes = hashes[:blocks if published is None else min(blocks, published)]
+        if not hashes or self._index is None:
+            return hit
+        try:
+            handed = await asyncio.wait_for(self._index.lookup(hashes), self._timeout_s)
+        except Exception as error:  # the request's own hit still holds: the decode engine recomputes the rest
+            self._metrics.lookup_failures.inc()
+            log.warning("handoff lookup of %d blocks failed: %r", len(hashes), error)
+            return hit
+        return handed._replace(admitted=hit.admitted) if handed.blocks >= hit.blocks else hit
+
     async def epoch(self, tenant: str) -> int | None:
         """The tenant's purge epoch (kvstore/fence.py): its saves carry it, so a purge that begins while
         they run leaves nothing of them. None when the index does not answer (the store reads it then)."""
