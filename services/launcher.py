@@ -52,7 +52,10 @@ class StackConfig:
     redis_url: str = field(default="", metadata={
         "help": "this Redis instead of the embedded Valkey (no password in it)"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
-    engines: int = field(default=1, metadata={"help": "engine replicas"})
+    engines: int = field(default=1, metadata={
+        "help": "engine replicas of role both (0 with --prefill-engines and --decode-engines: a split stack only)"})
+    prefill_engines: int = field(default=0, metadata={"help": "engines of role prefill (split requests' prefills)"})
+    decode_engines: int = field(default=0, metadata={"help": "engines of role decode (split requests' decodes)"})
     preset: str = field(default="mini", metadata={"help": "model preset (weights created on first run)"})
     model_dir: str = field(default="", metadata={"help": "a saved or converted model (overrides preset)"})
     cache_dtype: str = field(default="bfloat16", metadata={"help": "latent cache dtype"})
@@ -88,8 +91,12 @@ class StackConfig:
     def __post_init__(self) -> None:
         check_log_format(self.log_format)
         check_redis_url(self.redis_url)
-        if self.engines < 1:
-            raise ValueError(f"--engines must be >= 1, got {self.engines}")
+        if min(self.engines, self.prefill_engines, self.decode_engines) < 0:
+            raise ValueError("--engines, --prefill-engines and --decode-engines must be >= 0")
+        if bool(self.prefill_engines) != bool(self.decode_engines):
+            raise ValueError("a split stack needs both --prefill-engines and --decode-engines (or neither)")
+        if self.engines + self.prefill_engines < 1:
+            raise ValueError(f"--engines must be >= 1 without --prefill-engines, got {self.engines}")
         if self.tenant_quota_gib < 0:
             raise ValueError(f"--tenant-quota-gib must be >= 0, got {self.tenant_quota_gib}")
         tenant_quotas(self.api_keys)  # names a malformed key entry before anything starts
@@ -120,7 +127,9 @@ class Stack:
         self.redis_url = cfg.redis_url
         self.gateway_url = f"http://{cfg.host}:{cfg.gateway_port}"
         self.kvstore_url = f"http://{cfg.host}:{cfg.kvstore_port}"
-        self.engine_urls = [f"http://{cfg.host}:{cfg.engine_port + i}" for i in range(cfg.engines)]
+        self.engine_roles = (["both"] * cfg.engines + ["prefill"] * cfg.prefill_engines
+                             + ["decode"] * cfg.decode_engines)
+        self.engine_urls = [f"http://{cfg.host}:{cfg.engine_port + i}" for i in range(len(self.engine_roles))]
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -176,7 +185,7 @@ class Stack:
                     engine_cache += ["--pool-gib", str(self.cfg.pool_gib)]
                 engine_cache += ["--dtype", self.cfg.dtype, "--latent-format", self.cfg.latent_format]
                 self._spawn(f"engine{i}", "services.engine", engine_cache + [
-                    "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir,
+                    "--port", str(self.cfg.engine_port + i), "--model-dir", model_dir, "--role", self.engine_roles[i],
                     "--cache-dtype", self.cfg.cache_dtype,
                     "--budget-bytes", str(int(self.cfg.budget_gib * (1 << 30)))])
             gateway = ["--host", self.cfg.host, "--port", str(self.cfg.gateway_port), "--model-dir", model_dir,

@@ -42,8 +42,9 @@ class PortClaim(NamedTuple):
 
 def port_claims(cfg: "StackConfig") -> list[PortClaim]:
     claims = [PortClaim(cfg.gateway_port, "--gateway-port", ""), PortClaim(cfg.kvstore_port, "--kvstore-port", "")]
-    span = f" (the {cfg.engines} engines take consecutive ports from it)" if cfg.engines > 1 else ""
-    claims += [PortClaim(cfg.engine_port + i, "--engine-port", span) for i in range(cfg.engines)]
+    engines = cfg.engines + cfg.prefill_engines + cfg.decode_engines
+    span = f" (the {engines} engines take consecutive ports from it)" if engines > 1 else ""
+    claims += [PortClaim(cfg.engine_port + i, "--engine-port", span) for i in range(engines)]
     if not cfg.redis_url:
         claims.append(PortClaim(cfg.redis_port, "--redis-port", ", or use a running Redis with --redis-url"))
     return claims

@@ -24,8 +24,9 @@ ADMIN_TOKEN = "test-admin-token"
 def start_tiny_stack(data_dir: Path, engines: int = 1, api_keys: str = "key-a:tenant-a,key-b:tenant-b",
                      **flags) -> Stack:
     """`flags`: other StackConfig fields (as `deepinfer up`'s flags), e.g. admit_after=2."""
+    replicas = engines + flags.get("prefill_engines", 0) + flags.get("decode_engines", 0)
     cfg = StackConfig(preset="tiny", data_dir=str(data_dir), engines=engines, gateway_port=free_port(),
-                      kvstore_port=free_port(), engine_port=free_ports(engines), redis_port=free_port(),
+                      kvstore_port=free_port(), engine_port=free_ports(replicas), redis_port=free_port(),
                       api_keys=api_keys, admin_token=ADMIN_TOKEN, ready_timeout_s=400, **flags)
     return Stack(cfg, quiet=True).start()
 
