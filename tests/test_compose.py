@@ -390,7 +390,7 @@ def test_services_parse_and_bind_all_interfaces(stack):
 def test_environment_variables_are_config_fields():
     for name, service in services().items():
         variables = {key for key in environment_of(service) if key.startswith("DEEPINFER_")}
-        if name not in DEEPINFER_SERVICES:
+        if name not in DEEPINFER_SERVICES + ["engine-prefill", "engine-decode"]:
             assert not variables, f"{name} is not a DeepInfer service; {variables} would be ignored"
             continue
         module = argv_of(service)[2] if argv_of(service)[:2] == ["python", "-m"] else "services.kvstore"
@@ -580,13 +580,30 @@ def test_gateway_reaches_the_engines_and_engines_scale(stack):
     all_services = services()
     engine_port = stack["engine"].config.port
     assert stack["gateway"].config.engines
+    hosts = []
     for url in stack["gateway"].config.engines:
         parts = urlsplit(url)
-        assert parts.hostname == "engine" and parts.port == engine_port, f"gateway engine URL {url}"
+        hosts.append(parts.hostname)
+        assert parts.port == engine_port, f"gateway engine URL {url}"
+    assert hosts == ["engine", "engine-prefill", "engine-decode"]  # the last two: profile split
     engine = all_services["engine"]
     assert "container_name" not in engine and "ports" not in engine, "`--scale engine=N` needs no fixed name/port"
     published = [str(p).rsplit(":", 1)[-1] for p in all_services["gateway"]["ports"]]
     assert published == [str(stack["gateway"].config.port)]
+
+
+def test_the_split_profile_adds_a_prefill_and_a_decode_engine_otherwise_alike(mini_model_dir):
+    """`docker compose --profile split up`: the same engine container with --role from the environment."""
+    all_services = services()
+    base = launched("engine", {}, mini_model_dir)
+    assert base.config.role == "both" and "profiles" not in all_services["engine"]
+    for role in ("prefill", "decode"):
+        name = f"engine-{role}"
+        assert all_services[name]["profiles"] == ["split"] and argv_of(all_services[name]) == argv_of(
+            all_services["engine"])
+        split = launched(name, {}, mini_model_dir)
+        assert split.config.role == role
+        assert dataclasses.replace(split.config, role="both") == base.config
 
 
 # ---------------------------------------------------------------- (3) the Dockerfile
