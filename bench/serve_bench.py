@@ -19,6 +19,12 @@ their prefix), output lengths from the trace capped at --max-output. Phases (--p
                (--stream-prompt tokens) for --stream-tokens tokens: output token throughput side by side.
                The trace's workload is prefill-bound (its prompts are ~33x its outputs, scaled alike), so
                its user sweep mostly measures prefill; this phase measures what batching decode gives
+  split        the multi-turn workload at --split-concurrency users on an undivided stack (two engines of
+               role both) and on a split one (a prefill and a decode engine), each engine pinned to a core
+               of its own, the same cores in both: TTFT, TPOT, throughput
+  handoff      fresh prompts of --handoff-lengths tokens on a split stack (a prefill and a decode engine) and
+               an undivided one (one engine), unpinned: the gap between the first and second tokens less the
+               later gaps' median, the time the handoff adds (--handoff-repeats each, medians)
 The stacks are started here (one engine, --preset, fresh data dir each) unless --url is given. Before the
 measured runs, a warm pass (the last --warm-sessions sessions, no level's) at the sweep's highest
 concurrency compiles the shapes this workload meets, as a server that has been up a while has them; each
@@ -97,10 +103,12 @@ class EngineProbe:
 
 
 class StackRun:
-    """A stack of this machine (one engine) for one phase, or the --url stack."""
+    """A stack of this machine for one phase (one engine; or `engines`: of roles both, prefill, decode, and `pin`: each
+    on a core of its own), or the --url stack."""
 
-    def __init__(self, args, cache: bool, name: str):
+    def __init__(self, args, cache: bool, name: str, engines: tuple[int, int, int] = (1, 0, 0), pin: bool = False):
         self.args, self.cache, self.name, self.stack, self.dir = args, cache, name, None, None
+        self.engines, self.pin = engines, pin
         self.url, self.probe = args.url, None  # no probe for --url: its admin token is not ours
 
     def __enter__(self) -> "StackRun":
@@ -115,8 +123,9 @@ class StackRun:
         model_dir = self.args.model_dir or str(ensure_model(self.args))
         cfg = StackConfig(preset=self.args.preset, model_dir=model_dir, data_dir=str(self.dir),
                           cache=self.cache, gateway_port=free_port(), kvstore_port=free_port(),
-                          engine_port=free_ports(1), redis_port=free_port(), ready_timeout_s=900,
-                          batch_invariant=self.args.batch_invariant, dtype=self.args.dtype)
+                          engine_port=free_ports(sum(self.engines)), redis_port=free_port(), ready_timeout_s=900,
+                          batch_invariant=self.args.batch_invariant, dtype=self.args.dtype, engines=self.engines[0],
+                          prefill_engines=self.engines[1], decode_engines=self.engines[2])
         say(f"starting a stack ({'cache on' if self.cache else 'cache off'}) in {self.dir}")
         os.environ.setdefault("DEEPINFER_GATEWAY_FIRST_TOKEN_TIMEOUT_S", "3600")
         # The bench's users share one API key: the gateway's per-key limit (16 by default) would turn the
@@ -125,6 +134,9 @@ class StackRun:
         os.environ.setdefault("DEEPINFER_GATEWAY_KEY_MAX_CONCURRENT", str(max(16, users)))
         self.stack = Stack(cfg, quiet=True).start()
         self.url, self.probe = self.stack.gateway_url, EngineProbe(self.stack.engine_urls, self.stack.admin_token)
+        if self.pin:
+            say(f"engines pinned to cores {pin_engines(self.stack)}")
+        asyncio.run(all_routable(self.stack))  # a split stack splits from the first request on
         return self
 
     def __exit__(self, *exc) -> None:
@@ -132,6 +144,33 @@ class StackRun:
             self.stack.stop()
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def pin_engines(stack) -> list[int]:
+    """Engine i's process (every thread) on core i of this process's cores, round robin; returns the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = []
+    for i, name in enumerate(sorted((n for n in stack.procs if n.startswith("engine")), key=lambda n: int(n[6:]))):
+        core = cores[i % len(cores)]
+        for task in os.listdir(f"/proc/{stack.procs[name].pid}/task"):
+            os.sched_setaffinity(int(task), {core})
+        pinned.append(core)
+    return pinned
+
+
+async def all_routable(stack, timeout_s: float = 120.0) -> None:
+    """Waits until the gateway routes to every engine of the stack."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {stack.admin_token}"}) as session:
+        while True:
+            async with session.get(stack.gateway_url + "/admin/stats") as reply:
+                engines = (await reply.json())["engines"]
+            if sum(e["routable"] for e in engines) == len(stack.engine_urls):
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the gateway routes to {sum(e['routable'] for e in engines)} of "
+                                 f"{len(stack.engine_urls)} engines after {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
 
 
 def ensure_model(args) -> Path:
@@ -323,6 +362,56 @@ async def _stream_level(client: Client, warm, work, label: str, probe: EnginePro
     return summary
 
 
+SPLIT_LAYOUTS = {"undivided": (2, 0, 0), "split": (0, 1, 1)}  # engines of roles (both, prefill, decode)
+
+
+async def split_level(args, url: str, sessions, probe: EngineProbe | None, label: str) -> dict:
+    async with Client(url) as client:
+        await warm_up(client, args, sessions, label)
+        return await closed_level(client, args, sessions, args.split_concurrency, label, probe)
+
+
+async def handoff(args, url: str, label: str) -> dict:
+    """Per length: fresh prompts (the same ones on every stack), each streamed for --handoff-tokens tokens."""
+    rng = np.random.default_rng(21)
+    out = {}
+    async with Client(url) as client:
+        await client.complete(rng.integers(*TOKEN_RANGE, 64).tolist(), 4)
+        for n in args.handoff_lengths:
+            runs = []
+            for i in range(args.handoff_repeats):
+                counts: list[int] = []
+                r = await client.complete(rng.integers(*TOKEN_RANGE, n).tolist(), args.handoff_tokens, extra=COUNTED,
+                                          counts=counts)
+                t = r.token_times_s
+                if r.error or len(t) < 4:
+                    raise SystemExit(f"{label}a {n}-token prompt failed or ended early: {r.error or t}")
+                later = statistics.median((b - a) / k for a, b, k in zip(t[1:], t[2:], counts[2:]))
+                runs.append({"ttft_s": r.ttft_s, "first_gap_s": t[1] - t[0], "later_gap_s": later,
+                             "added_s": t[1] - t[0] - counts[1] * later})
+                say(f"{label}{n} tokens, run {i + 1}: TTFT {r.ttft_s:.2f} s, first gap {t[1] - t[0]:.3f} s, later "
+                    f"gaps {later * 1000:.0f} ms")
+            out[str(n)] = {key: statistics.median(run[key] for run in runs) for key in runs[0]} | {"runs": runs}
+    return out
+
+
+def split_phases(args, sessions, result: dict) -> None:
+    """The split phase (pinned engines, the conversation workload) and the handoff phase (unpinned, long prompts),
+    each on an undivided and a split stack."""
+    if "split" in args.phases:
+        out = result["split"] = {"concurrency": args.split_concurrency}
+        for layout, engines in SPLIT_LAYOUTS.items():
+            with StackRun(args, cache=True, name=layout, engines=engines, pin=True) as run:
+                out[layout] = asyncio.run(split_level(args, run.url, sessions, run.probe, f"{layout}: "))
+            report.write_json(args.name + "_partial", result)
+    if "handoff" in args.phases:
+        out = result["handoff"] = {"tokens": args.handoff_tokens, "repeats": args.handoff_repeats}
+        for layout, engines in (("undivided", (1, 0, 0)), ("split", (0, 1, 1))):
+            with StackRun(args, cache=True, name=f"handoff_{layout}", engines=engines) as run:
+                out[layout] = asyncio.run(handoff(args, run.url, f"handoff, {layout}: "))
+            report.write_json(args.name + "_partial", result)
+
+
 def _said(s: dict) -> None:
     say(f"  {s['completed']}/{s['requests']} ok in {s['duration_s']:.1f} s: {s['request_throughput']:.3f} req/s, "
         f"{s['output_token_throughput']:.2f} output tok/s, TTFT p50 {s['ttft_s']['p50']:.2f} s, "
@@ -361,6 +450,8 @@ def measure(args) -> dict:
     if "cache" in args.phases:
         with StackRun(args, cache=False, name="off") as run:
             asyncio.run(cache_off(args, run.url, sessions, result, run.probe))
+    if {"split", "handoff"} & set(args.phases):
+        split_phases(args, sessions, result)
     if args.peer_url and not {"sweep", "streams"} & set(args.phases):
         asyncio.run(peer_sweep(args, sessions, result))
     result["wall_s"] = time.perf_counter() - begin
@@ -396,7 +487,12 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     p.add_argument("--stream-users", type=int, default=16, help="users of the streams phase's wide run")
     p.add_argument("--stream-requests", type=int, default=4, help="requests per user in the streams phase")
     p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference", "streams"])
+    p.add_argument("--split-concurrency", type=int, default=8, help="users of the split phase's closed loops")
+    p.add_argument("--handoff-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192, 32768])
+    p.add_argument("--handoff-repeats", type=int, default=3)
+    p.add_argument("--handoff-tokens", type=int, default=8, help="output tokens per handoff prompt")
+    p.add_argument("--phases", type=lambda s: s.split(","), default=["sweep", "cache", "interference", "streams"],
+                   help="of sweep, cache, interference, streams, split, handoff")
     p.add_argument("--batch-invariant", action="store_true")
     p.add_argument("--dtype", default="bfloat16", choices=SERVING_DTYPES, help="the engines' serving dtype")
     p.add_argument("--peer-url", default="", help="also run the sweep against this OpenAI-compatible server")
@@ -407,6 +503,8 @@ def main(argv: list[str] | None = None, command: str = "") -> int:
     def checked(args) -> dict:
         if args.url and "cache" in args.phases:
             args.phases.remove("cache")
+        if args.url and {"split", "handoff"} & set(args.phases):
+            raise SystemExit("--phases split and handoff start their own stacks: drop --url")
         if 512 % args.hash_tokens:
             raise SystemExit("--hash-tokens must divide 512")
         return measure(args)

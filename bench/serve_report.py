@@ -154,6 +154,63 @@ def plots(result: dict, name: str) -> list[str]:
     return made
 
 
+def split_plot(result: dict, name: str) -> str | None:
+    split, hand = result.get("split"), result.get("handoff")
+    if not split and not hand:
+        return None
+    plt = report.pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    if split:
+        layouts = [k for k in ("undivided", "split") if k in split]
+        keys = [("TTFT p50", "ttft_s", "p50"), ("TTFT p99", "ttft_s", "p99"), ("TPOT p50", "tpot_s", "p50"),
+                ("TPOT p99", "tpot_s", "p99")]
+        for i, layout in enumerate(layouts):
+            a.bar([j + 0.4 * i for j in range(len(keys))], [split[layout][k][q] for _, k, q in keys], 0.4,
+                  label=layout)
+        a.set_xticks([j + 0.2 for j in range(len(keys))], [label for label, _, _ in keys])
+        a.set_yscale("log")
+        a.set_ylabel("seconds (log)")
+        a.set_title(f"{split['concurrency']} users, conversation trace", fontsize=9)
+        a.legend()
+    if hand:
+        for layout, style in (("undivided", "o-"), ("split", "s-")):
+            if layout in hand:
+                ns = sorted(int(n) for n in hand[layout])
+                b.plot(ns, [hand[layout][str(n)]["first_gap_s"] for n in ns], style, label=f"{layout}: first gap")
+        ns = sorted(int(n) for n in hand.get("split", {}))
+        b.plot(ns, [hand["split"][str(n)]["later_gap_s"] for n in ns], "x:", label="split: later gaps")
+        b.set_xscale("log", base=2)
+        b.set_yscale("log")
+        b.set_xlabel("prompt tokens (a miss)")
+        b.set_ylabel("seconds between tokens 1 and 2 (log)")
+        b.legend(fontsize=8)
+    for axis in (a, b):
+        axis.grid(alpha=0.3, which="both")
+    fig.suptitle(f"serve_bench split and handoff, {result['preset']}", fontsize=9)
+    return report.save_figure(fig, f"{name}_split.png")
+
+
+def split_notes(result: dict) -> list[str]:
+    split = result["split"]
+    u, s = split["undivided"], split["split"]
+    ratio = lambda key, q: s[key][q] / u[key][q]  # noqa: E731
+    return [f"the same {split['concurrency']}-user closed loop on each stack; engines pinned one per core, the same "
+            "cores for both (gateway, kvstore and Valkey unpinned)",
+            f"split / undivided: TTFT p50 {ratio('ttft_s', 'p50'):.2f}x, TTFT p99 {ratio('ttft_s', 'p99'):.2f}x, TPOT p99 "
+            f"{ratio('tpot_s', 'p99'):.2f}x, output token throughput "
+            f"{s['output_token_throughput'] / u['output_token_throughput']:.2f}x"]
+
+
+def handoff_rows(hand: dict) -> list[list]:
+    rows = []
+    for n in sorted(hand.get("split", {}), key=int):
+        sp, un = hand["split"][n], hand.get("undivided", {}).get(n)
+        rows.append([n, *(f"{x['ttft_s']:.2f}" if x else "-" for x in (un, sp)),
+                     *(f"{x['first_gap_s'] * 1000:.0f} / {x['later_gap_s'] * 1000:.0f}" if x else "-" for x in (un, sp)),
+                     f"{sp['added_s'] * 1000:.0f}", f"{(sp['added_s'] - un['added_s']) * 1000:.0f}" if un else "-"])
+    return rows
+
+
 def peer_name(result: dict) -> str:
     return result.get("peer", {}).get("name") or result.get("streams", {}).get("peer", {}).get("name", "peer")
 
@@ -194,6 +251,22 @@ def write(result: dict) -> None:
               f"{inter['long_together_ttft_s']:.1f}", _short_ttfts(inter)]])
         report.section(f"Serving: a long prefill among streams (serve_bench{beside})", command, machine, table,
                        None, interference_goals(result))
+    figure = split_plot(result, name)
+    if result.get("split"):
+        split = result["split"]
+        report.section("Serving: prefill/decode split (serve_bench)", command, machine,
+                       report.markdown_table(HEADER, [_row(layout, split[layout]) for layout in ("undivided", "split")]),
+                       figure, [workload(result).replace("one engine", "two engines"), *split_notes(result)])
+    hand = result.get("handoff")
+    if hand:
+        report.section("Serving: the split's handoff (serve_bench)", command, machine, report.markdown_table(
+            ["prompt tokens", "TTFT undivided s", "TTFT split s", "gap 1->2 / later ms, undivided", "split",
+             "handoff adds ms (split)", "less undivided's"], handoff_rows(hand)),
+            None if result.get("split") else figure,
+            [f"model `{result['preset']}`; one fresh prompt per run (a miss), {hand['tokens']} output tokens, "
+             f"medians of {hand['repeats']} runs; undivided: one engine; split: a prefill and a decode engine; "
+             "unpinned", "the added time is the gap between the first two tokens less the later gaps' median: the "
+             "prefill engine's saves after its first token, the index lookup, the decode engine's load and tail"])
     chat = result.get("streams")
     if chat:
         rows = _levels(chat["levels"]) + _levels(chat.get("peer", {}).get("levels", {}), f"{peer_name(result)}: ")
