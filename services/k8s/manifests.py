@@ -61,10 +61,12 @@ def gateway(v: dict) -> list[dict]:
     engines = [f"--engine=http://{ROLE_NAMES[role]}:{PORTS['engine']}"
                for role, replicas in v["engine"]["replicas"].items() if replicas]
     args = ["--host=0.0.0.0", f"--port={PORTS['gateway']}", *engines, f"--redis-url={redis_url(v)}",
-            *(["--redis-cluster"] if v["redis"]["cluster"] else [])]
+            *(["--redis-cluster"] if v["redis"]["cluster"] else []),
+            *([] if v["model"]["init"] else [f"--model-dir={model_dir(v)}"])]  # a converted model's tokenizer
     env = {"DEEPINFER_GATEWAY_OPEN_ACCESS": str(g["openAccess"]).lower()}
     pod = pod_spec(v, "gateway", ["python", "-m", "services.gateway"], args, env,
-                   resources(g["cpu"], g["memoryGiB"] * GIB), g["nodeSelector"], g["tolerations"])
+                   resources(g["cpu"], g["memoryGiB"] * GIB), {**g["nodeSelector"], **beside_host_paths(v, "gateway")},
+                   g["tolerations"])
     labels = selector("gateway")
     autoscaled = g["maxReplicas"] > g["replicas"]  # then the autoscaler owns the replica count
     objects = [workload("Deployment", "gateway", v, labels, pod, **({} if autoscaled else {"replicas": g["replicas"]})),
@@ -87,7 +89,8 @@ def engine(v: dict, role: str, replicas: int) -> list[dict]:
     memory = engine_memory(m["preset"], m["cacheDtype"], m["latentFormat"], e["poolGiB"], e["overheadGiB"])
     if e["gpus"] and e["gpuMemoryGiB"] and memory.device > e["gpuMemoryGiB"] * GIB:
         raise ValuesError(f"engine: {m['preset']}'s weights ({memory.weights / GIB:.1f} GiB) and the pool "
-                         f"(engine.poolGiB {e['poolGiB']}) do not fit one GPU (engine.gpuMemoryGiB {e['gpuMemoryGiB']})")
+                          f"(engine.poolGiB {e['poolGiB']}) do not fit one GPU "
+                          f"(engine.gpuMemoryGiB {e['gpuMemoryGiB']})")
     args = ["--host=0.0.0.0", f"--port={PORTS['engine']}", f"--role={role}", f"--model-dir={model_dir(v)}",
             f"--cache-dtype={m['cacheDtype']}", f"--redis-url={redis_url(v)}",
             *(["--redis-cluster"] if v["redis"]["cluster"] else []),
@@ -95,7 +98,7 @@ def engine(v: dict, role: str, replicas: int) -> list[dict]:
             *([f"--budget-bytes={int(v['storage']['budgetGiB'] * GIB)}"] if v["storage"]["budgetGiB"] else [])]
     env = {"DEEPINFER_ENGINE_LATENT_FORMAT": m["latentFormat"], **s3_environment(v)}
     limits = resources(e["cpu"], memory.total, e["gpus"])
-    node_selector = {**e["nodeSelector"], **(v["storage"]["nodeSelector"] if on_host_paths(v) else {})}
+    node_selector = {**e["nodeSelector"], **beside_host_paths(v, "engine")}
     pod = pod_spec(v, "engine", ["python", "-m", "services.engine"], args, env, limits, node_selector,
                    e["tolerations"], start_seconds=e["startupSeconds"], init=[wait_for_model(v)],
                    mounts=[("jax-cache", JAX_CACHE, False)])
@@ -146,7 +149,7 @@ def model_init(v: dict) -> dict:
     script = f"test -f {model_dir(v)}/meta.json || deepinfer model init --preset {m['preset']} --out {model_dir(v)}"
     memory = weight_bytes(m["preset"]) + v["engine"]["overheadGiB"] * GIB
     pod = pod_spec(v, "model-init", ["sh", "-c"], [script], {}, resources("2", memory),
-                   v["storage"]["nodeSelector"] if m["volume"].startswith("/") else {}, [], probes={})
+                   beside_host_paths(v, "model-init"), [], probes={})
     pod["spec"]["restartPolicy"] = "OnFailure"
     return obj("batch/v1", "Job", "model-init", v, spec={"backoffLimit": 3, "template": pod})
 
@@ -242,7 +245,7 @@ def pod_volumes(v: dict, service_name: str) -> tuple[list[dict], list[dict]]:
             "secretName": v["secrets"]["name"], "defaultMode": 0o440,
             "items": [{"key": name, "path": name} for name in SECRETS[service_name]]}})
         mounts.append({"name": "secrets", "mountPath": SECRETS_DIR, "readOnly": True})
-    if service_name in ("engine", "kvstore", "model-init"):
+    if mounts_model(v, service_name):
         volumes.append({"name": "models", **volume_source(v["model"]["volume"])})
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": service_name != "model-init"})
     if service_name in ("engine", "kvstore"):
@@ -256,6 +259,11 @@ def pod_volumes(v: dict, service_name: str) -> tuple[list[dict], list[dict]]:
                 "items": [{"key": "credentials", "path": "credentials"}]}})
             mounts.append({"name": "s3-credentials", "mountPath": S3_CREDENTIALS.rsplit("/", 1)[0], "readOnly": True})
     return volumes, mounts
+
+
+def mounts_model(v: dict, service_name: str) -> bool:
+    """Engines, kvstore and model-init mount the models; the gateway too for a converted model's tokenizer."""
+    return service_name in ("engine", "kvstore", "model-init") or service_name == "gateway" and not v["model"]["init"]
 
 
 def volume_source(volume: str) -> dict:
@@ -278,9 +286,11 @@ def s3_environment(v: dict) -> dict[str, str]:
             **({"AWS_ENDPOINT_URL_S3": s["s3Endpoint"]} if s["s3Endpoint"] else {})}
 
 
-def on_host_paths(v: dict) -> bool:
-    """Whether the engines mount host paths, so run on the storage nodes."""
-    return any(volume.startswith("/") for volume in [*v["storage"]["volumes"], v["model"]["volume"]])
+def beside_host_paths(v: dict, service_name: str) -> dict:
+    """The storage nodes' labels when the pod mounts a host path (a cache volume or the models), else none."""
+    paths = [*(v["storage"]["volumes"] if service_name in ("engine", "kvstore") else []),
+             *([v["model"]["volume"]] if mounts_model(v, service_name) else [])]
+    return v["storage"]["nodeSelector"] if any(path.startswith("/") for path in paths) else {}
 
 
 def wait_for_model(v: dict) -> dict:
