@@ -33,11 +33,11 @@ SPEC: dict[str, Any] = {
     "imagePullPolicy": Key("IfNotPresent", "Always, IfNotPresent or Never"),
     "namespace": Key("deepinfer", "the namespace of every object (create it first)"),
     "secrets": {
-        "name": Key(REQUIRED, f"the Secret holding the deployment's secret files, one key each: {SECRETS_HELP}", str),
+        "name": Key(REQUIRED, f"the Secret of the deployment's secret files, a key each: {SECRETS_HELP}", str),
     },
     "model": {
-        "preset": Key("mini", "the model's preset: `model.init` creates its weights; its shapes size the engines "
-                              "(a converted checkpoint: the preset of its architecture)"),
+        "preset": Key("mini", "the preset `model.init` creates; its shapes size the engines (a converted "
+                              "checkpoint: its architecture's preset)"),
         "dir": Key("", "the model directory (default /models/PRESET)"),
         "init": Key(True, "a Job creates the preset's weights in the model volume once (compose's model-init)"),
         "volume": Key("pvc:deepinfer-models", "where /models comes from: pvc:CLAIM (ReadWriteMany across nodes) or "
