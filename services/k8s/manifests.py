@@ -218,8 +218,9 @@ def pod_spec(v: dict, service_name: str, command: list[str], args: list[str], en
     container = {
         "name": service_name, "image": v["image"], "imagePullPolicy": v["imagePullPolicy"],
         "command": command, "args": args, "resources": limits, "volumeMounts": volume_mounts,
-        "env": [{"name": name, "value": value} for name, value in sorted({**secret_env, **env}.items())],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, **probes}
+    if secret_env or env:
+        container["env"] = [{"name": name, "value": value} for name, value in sorted({**secret_env, **env}.items())]
     if port:
         container["ports"] = [{"name": "http" if service_name != "redis" else "redis", "containerPort": port}]
     spec = {"containers": [container], "volumes": volumes,
