@@ -1,5 +1,5 @@
 """`deepinfer` command line: model weights (`model init|convert`), the stack (`up`, `status`, `stop`),
-deployment secrets (`secrets`), benchmarks (`bench`)."""
+deployment secrets (`secrets`), Kubernetes manifests (`deploy k8s`), benchmarks (`bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,20 @@ def _secrets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy_k8s(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.k8s.render import render, write
+
+    files = render(args.values)  # every check passes before anything is written
+    if args.out is None:
+        print("---\n".join(files.values()), end="")
+    else:
+        write(files, Path(args.out))
+        print(f"{len(files)} files in {args.out}: {', '.join(files)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "api_keys; existing files are kept")
     secrets.add_argument("--dir", default="secrets", help="directory to write them to (default: ./secrets)")
     secrets.set_defaults(run=_secrets)
+    deploy = commands.add_parser("deploy", help="deployment manifests: `deepinfer deploy k8s --help`").add_subparsers(
+        dest="deploy_command", required=True)
+    k8s = deploy.add_parser("k8s", help="Kubernetes manifests of the stack, from a values file (docs/deployment.md)")
+    k8s.add_argument("--values", required=True, help="the values file (YAML; deploy/k8s/*.yaml are examples)")
+    k8s.add_argument("--out", default=None, help="directory to write one YAML file per component to "
+                                                 "(default: every object to stdout, for `kubectl apply -f -`)")
+    k8s.set_defaults(run=_deploy_k8s)
     bench = commands.add_parser("bench", help="benchmarks: `deepinfer bench ttft|trace|serve|headline|kv --help`")
     bench.add_argument("which", choices=sorted(BENCHES))
     return parser

@@ -35,6 +35,8 @@ RUN_BY = {
     "deepinfer status --data-dir data": "tests/test_operator_stack.py::test_status_names_each_process_and_the_numbers",
     "deepinfer stop --data-dir data": "tests/test_operator_stack.py::test_stop_stops_every_process_and_frees_every_port",
     "deepinfer secrets --dir secrets": "tests/test_compose.py::test_deployment_secrets_are_shared_files_never_argv_or_environment",
+    "deepinfer deploy k8s --values deploy/k8s/single-host.yaml --out deploy/k8s/rendered/single-host":
+        "tests/test_deploy_k8s.py::test_the_committed_manifests_are_current",
     **{f"python -m services.{service} --help": "tests/test_docs.py::test_every_services_help_lists_its_table"
        for service in ("gateway", "kvstore", "engine")},
 }
