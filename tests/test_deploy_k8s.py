@@ -200,7 +200,10 @@ def test_secrets_are_mounted_files_never_arguments_or_environment_values(rendere
 
 # Fields whose value differs on purpose: service -> field -> why.
 DIFFERENCES = {"engine": {"pool_gib": "a pod sees its node's memory, so the engine's default share of it (5%, at "
-                                      "most 1 GiB) would not be the pod's: the pool is given, and sizes the pod"}}
+                                      "most 1 GiB) would not be the pod's: the pool is given, and sizes the pod"},
+               "gateway": {"engines": "compose's gateway also names profile split's engines (a name that does not "
+                                      "resolve is no engine); the rendered one names the roles rendered: compose's "
+                                      "engines outside profiles"}}
 COMPOSE_AS_IN_PRODUCTION = {"DEEPINFER_OPEN_ACCESS": "false"}  # compose's default is local mode (open access)
 
 
@@ -270,6 +273,8 @@ def test_the_single_host_stack_is_composes(rendered, mini_model_dir):
         differing = {f.name for f in dataclasses.fields(ours.config)
                      if getattr(ours.config, f.name) != getattr(theirs.config, f.name)}
         assert differing == set(DIFFERENCES.get(name, {})), f"{name}: {differing} differ from compose's"
+        if name == "gateway":
+            assert ours.config.engines == [url for url in theirs.config.engines if urlsplit(url).hostname in services]
         port = ours.config.port
         service = named(objects, "Service", name)
         assert container["ports"] == [{"name": "http", "containerPort": port}]
