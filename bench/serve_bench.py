@@ -405,6 +405,9 @@ def split_phases(args, sessions, result: dict) -> None:
                 out[layout] = asyncio.run(split_level(args, run.url, sessions, run.probe, f"{layout}: "))
             report.write_json(args.name + "_partial", result)
     if "handoff" in args.phases:
+        from model.weights import read_identity
+        config, _ = read_identity(args.model_dir or ensure_model(args))
+        result["latent_bytes_per_token"] = config.num_layers * config.latent_dim * 2  # bf16, every layer
         out = result["handoff"] = {"tokens": args.handoff_tokens, "repeats": args.handoff_repeats}
         for layout, engines in (("undivided", (1, 0, 0)), ("split", (0, 1, 1))):
             with StackRun(args, cache=True, name=f"handoff_{layout}", engines=engines) as run:

@@ -190,25 +190,60 @@ def split_plot(result: dict, name: str) -> str | None:
     return report.save_figure(fig, f"{name}_split.png")
 
 
-def split_notes(result: dict) -> list[str]:
-    split = result["split"]
-    u, s = split["undivided"], split["split"]
-    ratio = lambda key, q: s[key][q] / u[key][q]  # noqa: E731
-    return [f"the same {split['concurrency']}-user closed loop on each stack; engines pinned one per core, the same "
-            "cores for both (gateway, kvstore and Valkey unpinned)",
-            f"split / undivided: TTFT p50 {ratio('ttft_s', 'p50'):.2f}x, TTFT p99 {ratio('ttft_s', 'p99'):.2f}x, TPOT p99 "
-            f"{ratio('tpot_s', 'p99'):.2f}x, output token throughput "
-            f"{s['output_token_throughput'] / u['output_token_throughput']:.2f}x"]
+def _added(hand: dict, layout: str) -> str:
+    side = hand.get(layout, {})
+    return " / ".join(f"{side[n]['added_s'] * 1000:.0f}" for n in sorted(side, key=int)) or "-"
 
 
-def handoff_rows(hand: dict) -> list[list]:
+def _tokens(n: str) -> str:
+    return f"{int(n) // 1024}K" if int(n) % 1024 == 0 else n
+
+
+def latent_bytes_per_token(result: dict) -> int:
+    """A token's latents over every layer in bf16: the run's, else its preset's."""
+    if "latent_bytes_per_token" in result:
+        return result["latent_bytes_per_token"]
+    from model.config import preset
+    config = preset(result["preset"])
+    return config.num_layers * config.latent_dim * 2
+
+
+def split_table(result: dict) -> str:
+    """One row per stack: the conversation workload's numbers (split phase) and the handoff's added ms (handoff)."""
+    split, hand = result.get("split", {}), result.get("handoff", {})
+    lengths = " / ".join(_tokens(n) for n in sorted(hand.get("split", {}), key=int))
     rows = []
-    for n in sorted(hand.get("split", {}), key=int):
-        sp, un = hand["split"][n], hand.get("undivided", {}).get(n)
-        rows.append([n, *(f"{x['ttft_s']:.2f}" if x else "-" for x in (un, sp)),
-                     *(f"{x['first_gap_s'] * 1000:.0f} / {x['later_gap_s'] * 1000:.0f}" if x else "-" for x in (un, sp)),
-                     f"{sp['added_s'] * 1000:.0f}", f"{(sp['added_s'] - un['added_s']) * 1000:.0f}" if un else "-"])
-    return rows
+    for layout, label in (("undivided", "undivided: 2 engines of role both"), ("split", "split: prefill + decode")):
+        s = split.get(layout)
+        numbers = ([f"{s['completed']}/{s['requests']}", f"{s['request_throughput']:.3f}",
+                    f"{s['output_token_throughput']:.2f}", *(_ms(s["ttft_s"], k) for k in ("p50", "p99")),
+                    *(_ms(s["tpot_s"], k) for k in ("p50", "p99"))] if s else ["-"] * 7)
+        rows.append([label, *numbers, _added(hand, layout)])
+    return report.markdown_table(["stack", "ok", "req/s", "out tok/s", "TTFT p50 ms", "p99", "TPOT p50 ms", "p99",
+                                  f"first token gap added, {lengths} ms"], rows)
+
+
+def split_notes(result: dict) -> list[str]:
+    notes = []
+    split, hand = result.get("split"), result.get("handoff")
+    if split:
+        u, s = split["undivided"], split["split"]
+        ratio = lambda key, q: s[key][q] / u[key][q]  # noqa: E731
+        notes += [f"{split['concurrency']} users, closed loop, Mooncake sessions (median prompt "
+                  f"{result['prompt_tokens_median']:.0f} tokens, <= {result['max_output']} out), `{result['preset']}`; "
+                  "each engine pinned to a core of its own, the same cores in both stacks",
+                  f"split / undivided: TTFT p50 {ratio('ttft_s', 'p50'):.2f}x, p99 {ratio('ttft_s', 'p99'):.2f}x; TPOT "
+                  f"p50 {ratio('tpot_s', 'p50'):.2f}x, p99 {ratio('tpot_s', 'p99'):.2f}x; out tok/s "
+                  f"{s['output_token_throughput'] / u['output_token_throughput']:.2f}x"]
+    if hand and "split" in hand:
+        longest = max(hand["split"], key=int)
+        added = hand["split"][longest]["added_s"]
+        moved = int(longest) * latent_bytes_per_token(result)
+        notes.append(f"gap added: the gap between tokens 1 and 2 less the later gaps' median, fresh prompts, unpinned "
+                     f"stacks (undivided: one engine), medians of {hand['repeats']}; at {_tokens(longest)} the split "
+                     f"writes and reads {moved / 1e9:.2f} GB of latents in {added * 1000:.0f} ms"
+                     + (f" ({moved / 1e9 / added:.2f} GB/s)" if added > 0 else ""))
+    return notes
 
 
 def peer_name(result: dict) -> str:
@@ -251,22 +286,9 @@ def write(result: dict) -> None:
               f"{inter['long_together_ttft_s']:.1f}", _short_ttfts(inter)]])
         report.section(f"Serving: a long prefill among streams (serve_bench{beside})", command, machine, table,
                        None, interference_goals(result))
-    figure = split_plot(result, name)
-    if result.get("split"):
-        split = result["split"]
-        report.section("Serving: prefill/decode split (serve_bench)", command, machine,
-                       report.markdown_table(HEADER, [_row(layout, split[layout]) for layout in ("undivided", "split")]),
-                       figure, [workload(result).replace("one engine", "two engines"), *split_notes(result)])
-    hand = result.get("handoff")
-    if hand:
-        report.section("Serving: the split's handoff (serve_bench)", command, machine, report.markdown_table(
-            ["prompt tokens", "TTFT undivided s", "TTFT split s", "gap 1->2 / later ms, undivided", "split",
-             "handoff adds ms (split)", "less undivided's"], handoff_rows(hand)),
-            None if result.get("split") else figure,
-            [f"model `{result['preset']}`; one fresh prompt per run (a miss), {hand['tokens']} output tokens, "
-             f"medians of {hand['repeats']} runs; undivided: one engine; split: a prefill and a decode engine; "
-             "unpinned", "the added time is the gap between the first two tokens less the later gaps' median: the "
-             "prefill engine's saves after its first token, the index lookup, the decode engine's load and tail"])
+    if result.get("split") or result.get("handoff"):
+        report.section("Serving: prefill/decode split (serve_bench)", command, machine, split_table(result),
+                       split_plot(result, name), split_notes(result))
     chat = result.get("streams")
     if chat:
         rows = _levels(chat["levels"]) + _levels(chat.get("peer", {}).get("levels", {}), f"{peer_name(result)}: ")
