@@ -43,6 +43,14 @@ The only model knowledge here is the cache geometry. Public API (the engine and 
         await reconciler.run() -> ReconcileReport     # one pass, per volume under a VolumeLease in Redis
         reconciler.start(interval_s)                  # at once, then every interval (the kvstore service)
 
+    KV events (kv_events.py: format, keys, lease and resync; kv_view.py: the reader):
+    publisher = EventPublisher(client, prefix, source, block_tokens, max_len, lease_s=None)
+        publisher.stored(hashes, parent, medium); publisher.removed(hashes, medium)   # any thread (BlockEvents)
+        publisher.start(); await publisher.close()    # appends from the event loop every FLUSH_S
+    PrefixIndex(client, prefix, events=publisher)     # publishes and removals as medium "disk" events
+    view = KvView(client, prefix); view.start()       # reads the stream, then follows it
+        view.held(engine_id) -> int; view.leading_run(engine_id, hashes) -> int; await view.stop()
+
 Cache faults (missing, torn, corrupt, non-finite, forged (block MAC under mac_key), old-format or
 foreign data) never raise from reads: they shorten the prefix, drop the bad index entry and count
 `stats.verification_failures` (and forged_segments, old_format_segments, nonfinite_blocks).
@@ -60,6 +68,8 @@ from .capacity import SweepResult
 from .geometry import CacheGeometry
 from .hashing import block_hashes, cacheable_blocks, extend_block_hashes
 from .index import PrefixIndex, open_redis
+from .kv_events import BlockEvents, EventPublisher
+from .kv_view import KvView
 from .location import BlockLocation, Hit, SegmentRun, miss
 from .prefetch import LayerRead, LayerSource, Prefetch
 from .reader import SegmentReader
@@ -69,7 +79,7 @@ from .stats import StoreStats
 from .store import BlockStore, SaveResult, SegmentWriteError
 
 __all__ = [
-    "BlockLocation", "BlockStore", "CacheGeometry", "Hit", "LayerRead", "LayerSource", "Prefetch", "PrefixIndex",
+    "BlockEvents", "BlockLocation", "BlockStore", "CacheGeometry", "EventPublisher", "KvView", "Hit", "LayerRead", "LayerSource", "Prefetch", "PrefixIndex",
     "ReconcileReport", "Reconciler", "RetentionPolicy", "SaveResult", "SegmentReader", "SegmentRun",
     "SegmentWriteError", "StoreStats", "SweepResult", "block_hashes", "cacheable_blocks", "extend_block_hashes", "miss", "open_redis",
 ]

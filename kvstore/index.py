@@ -19,6 +19,7 @@ from typing import Sequence
 import redis.asyncio as redis
 
 from .hashing import HASH_BYTES
+from .kv_events import DISK, BlockEvents
 from .location import BlockLocation, Hit, SegmentRun, miss
 
 log = logging.getLogger(__name__)
@@ -81,17 +82,18 @@ return {table.concat(out, '\\n'), admitted}
 # how many leading blocks are admitted to disk.
 
 # Delete the block entries of ARGV[1] (concatenated hashes) that still point at segment ARGV[2];
-# with ARGV[3] == '1' also the segment record.
+# with ARGV[3] == '1' also the segment record. Returns the deleted entries' hashes, concatenated.
 _UNPUBLISH_LUA = """
 local prefix, blob, seg = KEYS[1], ARGV[1], '|' .. ARGV[2] .. '|'
-local n = 0
+local removed = {}
 for i = 0, #blob / 16 - 1 do
-  local key = prefix .. 'b:' .. string.sub(blob, i * 16 + 1, i * 16 + 16)
+  local h = string.sub(blob, i * 16 + 1, i * 16 + 16)
+  local key = prefix .. 'b:' .. h
   local v = redis.call('GET', key)
-  if v and string.find(v, seg, 1, true) then redis.call('DEL', key); n = n + 1 end
+  if v and string.find(v, seg, 1, true) then redis.call('DEL', key); removed[#removed + 1] = h end
 end
 if ARGV[3] == '1' then redis.call('DEL', prefix .. 's:' .. ARGV[2]) end
-return n
+return table.concat(removed)
 """
 
 
@@ -135,14 +137,18 @@ class PrefixIndex:
 
     Invariants: publish() is called only after the segment's bytes are durable; an entry is
     removed only if it still points at the segment being removed (a newer save of the same
-    block is never deleted by an older segment's eviction).
+    block is never deleted by an older segment's eviction). With `events`, every publish is a
+    BlockStored and every removal a BlockRemoved of medium "disk" (entries that expire by TTL
+    leave without one).
     """
 
-    def __init__(self, client: redis.Redis | redis.RedisCluster, prefix: str = "dikv") -> None:
+    def __init__(self, client: redis.Redis | redis.RedisCluster, prefix: str = "dikv",
+                 events: BlockEvents | None = None) -> None:
         if any(c in prefix for c in "{}"):
             raise ValueError(f"prefix must not contain braces, got {prefix!r}")
         self.redis = client
         self.prefix = prefix
+        self.events = events
         self._lookup = client.register_script(_LOOKUP_LUA)
         self._unpublish = client.register_script(_UNPUBLISH_LUA)
         self._publish = client.register_script(_PUBLISH_LUA)
@@ -178,13 +184,15 @@ class PrefixIndex:
         return Hit(root, tuple(hashes[:blocks]), tuple(runs), max(blocks, int(admitted)))
 
     async def publish(self, root: bytes, hashes: Sequence[bytes], locations: Sequence[BlockLocation],
-                      tenant: str, ttl_s: int, *, expire_s: int | None = None, missing_only: bool = False) -> None:
+                      tenant: str, ttl_s: int, *, expire_s: int | None = None, missing_only: bool = False,
+                      parent: bytes | None = None) -> None:
         """Make blocks findable for `ttl_s` seconds after the last hit.
 
         All `locations` are in one segment whose bytes are already durable. `expire_s`: seconds
         the entries live until a hit re-arms them (default `ttl_s`; a republished segment gets
         what its header's expiry leaves). `missing_only`: block entries already present (a
-        newer save of the same block) are kept.
+        newer save of the same block) are kept. `parent`: the hash of the block before hashes[0]
+        in its chain, when known (the BlockStored event's parent_block_hash).
         """
         expire_s = ttl_s if expire_s is None else expire_s
         if len(hashes) != len(locations) or not hashes:
@@ -197,21 +205,32 @@ class PrefixIndex:
         await self._publish(keys=[self._chain(root)], args=[
             first.segment, first.volume, tenant, ttl_s, expire_s, "1" if missing_only else "0", b"".join(hashes),
             *(loc.encode() for loc in locations)])
+        if self.events is not None:
+            self.events.stored(hashes, parent, DISK)
 
     async def drop(self, root: bytes, block_hash: bytes, segment: str | None) -> None:
         """Remove one (bad) entry; with `segment`, only if it still points into that segment."""
         key = self._chain(root).encode() + b"b:" + block_hash
         if segment is None:
-            await self.redis.delete(key)
+            removed = [block_hash] if await self.redis.delete(key) else []
+            self._removed(removed)
         else:
-            await self._unpublish(keys=[self._chain(root)], args=[block_hash, segment, "0"])
+            self._removed(await self._unpublish(keys=[self._chain(root)], args=[block_hash, segment, "0"]))
 
     async def unpublish_segment(self, root: bytes, segment: str) -> int:
         """Remove every entry still pointing into `segment`, and its record. Returns entries removed."""
         hashes = await self.redis.hget(self.segment_key(root, segment), "hashes")
         if not hashes:
             return 0
-        return int(await self._unpublish(keys=[self._chain(root)], args=[hashes, segment, "1"]))
+        return self._removed(await self._unpublish(keys=[self._chain(root)], args=[hashes, segment, "1"]))
+
+    def _removed(self, removed: bytes | list[bytes]) -> int:
+        """Reports removed entries (a list, or hashes concatenated) as a BlockRemoved; returns how many."""
+        if isinstance(removed, bytes):
+            removed = [removed[i:i + HASH_BYTES] for i in range(0, len(removed), HASH_BYTES)]
+        if removed and self.events is not None:
+            self.events.removed(removed, DISK)
+        return len(removed)
 
     async def segment_alive(self, pairs: Sequence[tuple[bytes, str]]) -> list[bool]:
         """Whether each (root, segment) record still exists (has not expired)."""

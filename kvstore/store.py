@@ -212,7 +212,8 @@ class BlockStore(SegmentReader):
                                    self.ledger.add(w.volume.id, SegmentRecord(w.segment, root, w.bytes, tenant)))
                 first = start_block + w.first
                 locations = [BlockLocation(w.volume.id, w.segment, i, w.count, w.data_offset) for i in range(w.count)]
-                await self.index.publish(root, hashes[first:first + w.count], locations, tenant, ttl)
+                await self.index.publish(root, hashes[first:first + w.count], locations, tenant, ttl,
+                                         parent=hashes[first - 1] if first else None)
             except Exception as e:  # index unreachable: the published segments stay valid, the rest goes
                 self.stats.write_failures += 1
                 with contextlib.suppress(Exception):  # counted, perhaps half published: uncount and unpublish it

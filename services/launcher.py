@@ -175,8 +175,8 @@ class Stack:
                 engine_cache = ["--host", self.cfg.host, "--log-format", self.cfg.log_format]
                 if not cache:
                     engine_cache.append("--no-memory-tier")
-                elif self.cfg.remote_cache:
-                    engine_cache += ["--kvstore-url", self.kvstore_url]
+                elif self.cfg.remote_cache:  # Redis for the engines' KV events only
+                    engine_cache = common + ["--kvstore-url", self.kvstore_url]
                 else:
                     engine_cache = common + volume_flags
                 if self.cfg.batch_invariant:

@@ -13,7 +13,8 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from kvstore import Hit, SegmentRun, block_hashes, cacheable_blocks, miss
+from kvstore import Hit, SegmentRun, block_hashes, cacheable_blocks, miss, open_redis
+from kvstore.kv_events import EventPublisher
 from kvstore.location import SEGMENT_ID, VOLUME_ID
 from model.grammar import GrammarError, grammar_source
 from model.runner import enable_compilation_cache
@@ -202,6 +203,7 @@ class EngineState:
         self.ready = False
         self.load_error: str | None = None
         self.engine_id = uuid.uuid4().hex  # this process's name in KV events and leases (addresses differ per viewer)
+        self.events: EventPublisher | None = None  # with a Redis URL: this engine's KV events
 
     async def start(self) -> None:
         try:
@@ -211,13 +213,21 @@ class EngineState:
             self.loaded = await loop.run_in_executor(None, open_model, cfg.model_dir, cfg.preset, cfg.models_dir,
                                                      cfg.cache_dtype)
             model_cfg = self.loaded.config
-            self.cache = CacheLink.for_model(cfg, model_cfg, self.loaded.fingerprint)
+            if cfg.redis_url and cfg.kv_events:
+                self.events = EventPublisher(open_redis(cfg.redis_url, cfg.redis_cluster, password=cfg.redis_password),
+                                             cfg.index_prefix, self.engine_id, cfg.block_tokens, cfg.kv_events_max_len,
+                                             lease_s=cfg.kv_events_lease_s)
+                self.metrics.count_kv_events(self.events)
+            self.cache = CacheLink.for_model(cfg, model_cfg, self.loaded.fingerprint, self.events)
             await self.cache.start()
-            self.engine = await loop.run_in_executor(None, Engine, self.loaded, cfg, self.cache, self.metrics)
+            self.engine = await loop.run_in_executor(None, Engine, self.loaded, cfg, self.cache, self.metrics,
+                                                     self.events)
             self.loaded = self.engine.loaded  # the served model: the checkpoint's projections can be freed
             if cfg.warmup:
                 await loop.run_in_executor(None, self.engine.warm_up)
             self.engine.start(loop)
+            if self.events is not None:
+                self.events.start()
             self.ready = True
             log.info("engine ready: %s (fingerprint %s) on %s:%d", model_cfg.name, self.loaded.fingerprint,
                      cfg.host, cfg.port)
@@ -230,6 +240,9 @@ class EngineState:
             await self.engine.stop(timeout_s=10.0)
         if self.cache is not None:
             await self.cache.close()
+        if self.events is not None:
+            await self.events.close()
+            await self.events.redis.aclose()
 
     def stats(self) -> dict:
         out = {"ready": self.ready, "load_error": self.load_error, "block_tokens": self.cfg.block_tokens,

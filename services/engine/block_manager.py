@@ -8,11 +8,14 @@ A page holds one cache block (block_tokens positions, every layer); each page bu
 The hashes are the disk index's (salted per tenant): a hash names the same latents in memory and on disk, and
 tenants never share pages; each published page remembers its tenant, so a purge can find the tenant's pages.
 A sequence's pages come and go only through `grant`, `extend` and `free`.
+With `events`, every hash that becomes or stops being held (published, then evicted, dropped or purged) is reported
+as a KV event of medium "memory" (kvstore/kv_events.py), so routers know what this engine holds.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 
+from kvstore.kv_events import MEMORY, BlockEvents
 from model.latent_pool import SCRATCH_PAGE
 from services.engine.sequence import Sequence
 
@@ -22,9 +25,11 @@ class PoolExhausted(Exception):
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, block_tokens: int, fingerprint: str, memory_tier: bool = True):
+    def __init__(self, num_pages: int, block_tokens: int, fingerprint: str, memory_tier: bool = True,
+                 events: BlockEvents | None = None):
         self.num_pages, self.block_tokens, self.fingerprint = num_pages, block_tokens, fingerprint
         self.memory_tier = memory_tier  # off: nothing is published, so nothing is shared or kept
+        self.events = events
         self._free: deque[int] = deque(p for p in range(num_pages) if p != SCRATCH_PAGE)
         self._ref = [0] * num_pages
         self._page_of: dict[bytes, int] = {}  # block hash -> page (owned or hot)
@@ -73,8 +78,10 @@ class BlockManager:
         self._hash_of[page] = block_hash
         self._tenant_of[page] = tenant
 
-    def held_hashes(self) -> list[bytes]:
-        return list(self._page_of)
+    @property
+    def held_blocks(self) -> int:
+        """Blocks published in memory (owned or hot): what a memory hit can share."""
+        return len(self._page_of)
 
     def tenant_pages(self) -> dict[str, int]:
         """Published pages per tenant (what a purge of the tenant drops)."""
@@ -93,16 +100,17 @@ class BlockManager:
         """n pages owned by the caller; evicts the least recently used hot pages when none are free."""
         if n > self.available():
             raise PoolExhausted(f"{n} pages asked, {self.available()} available")
-        pages = []
+        pages, evicted = [], []
         for _ in range(n):
             if self._free:
                 page = self._free.popleft()
             else:
                 page, _ = self._hot.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)], self._tenant_of[page]
+                evicted.append(self._unpublish(page))
                 self.evictions += 1
             self._ref[page] = 1
             pages.append(page)
+        self._removed(evicted)
         return pages
 
     def release(self, pages: list[int]) -> None:
@@ -119,23 +127,32 @@ class BlockManager:
 
     def drop_hot(self) -> int:
         """Empties the memory tier (pages owned by sequences stay published); returns pages freed."""
-        dropped = len(self._hot)
-        for page in self._hot:
-            del self._page_of[self._hash_of.pop(page)], self._tenant_of[page]
-            self._free.append(page)
+        dropped = [self._unpublish(page) for page in self._hot]
+        self._free.extend(self._hot)
         self._hot.clear()
-        return dropped
+        self._removed(dropped)
+        return len(dropped)
 
     def drop_tenant(self, tenant: str) -> int:
         """Unpublishes every page of `tenant` (a purge): hot ones are freed, owned ones are freed by their release;
         returns the pages unpublished."""
         pages = [page for page, owner in self._tenant_of.items() if owner == tenant]
+        self._removed([self._unpublish(page) for page in pages])
         for page in pages:
-            del self._page_of[self._hash_of.pop(page)], self._tenant_of[page]
             if page in self._hot:
                 del self._hot[page]
                 self._free.append(page)
         return len(pages)
+
+    def _unpublish(self, page: int) -> bytes:
+        """The page no longer serves its block; returns the block's hash."""
+        block_hash = self._hash_of.pop(page)
+        del self._page_of[block_hash], self._tenant_of[page]
+        return block_hash
+
+    def _removed(self, hashes: list[bytes]) -> None:
+        if hashes and self.events is not None:
+            self.events.removed(hashes, MEMORY)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -170,6 +187,10 @@ class BlockManager:
         if full <= seq.published_blocks or seq.fenced:
             return
         hashes = seq.block_hashes(full, self.fingerprint, self.block_tokens)
-        for block in range(seq.published_blocks, full):
+        first = seq.published_blocks
+        for block in range(first, full):
             self.publish(seq.pages[block], hashes[block], seq.job.tenant)
         seq.published_blocks = full
+        held = [h for h in hashes[first:full] if h in self._page_of]  # by these pages or pages computed alongside
+        if held and self.events is not None:
+            self.events.stored(held, hashes[first - 1] if first and len(held) == full - first else None, MEMORY)

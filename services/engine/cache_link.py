@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from kvstore import BlockStore, CacheGeometry, PrefixIndex, open_redis
+from kvstore.kv_events import BlockEvents
 from kvstore.latent_format import cache_fingerprint, fp8_dims
 from model.config import ModelConfig
 from services.engine.config import EngineConfig
@@ -16,20 +17,22 @@ RETRY_S = 2.0
 
 
 class CacheLink:
-    def __init__(self, cfg: EngineConfig, geometry: CacheGeometry, fingerprint: str):
+    def __init__(self, cfg: EngineConfig, geometry: CacheGeometry, fingerprint: str, events: BlockEvents | None = None):
         self.cfg = cfg
         self.geometry = geometry
         self.fingerprint = fingerprint
+        self.events = events  # the mounted index's disk events (remote: the kvstore service publishes them)
         self.store: BlockStore | None = None
         self.index: PrefixIndex | None = None
         self._task: asyncio.Task | None = None
 
     @classmethod
-    def for_model(cls, cfg: EngineConfig, model: ModelConfig, fingerprint: str) -> "CacheLink":
+    def for_model(cls, cfg: EngineConfig, model: ModelConfig, fingerprint: str,
+                  events: BlockEvents | None = None) -> "CacheLink":
         """The link to `model`'s cache in cfg's latent format: its geometry, its cache fingerprint."""
         geometry = CacheGeometry(model.num_layers, model.latent_dim, cfg.block_tokens, model.cache_dtype,
                                  fp8_dims(cfg.latent_format, model.latent_dim, model.qk_rope_head_dim))
-        return cls(cfg, geometry, cache_fingerprint(fingerprint, cfg.latent_format))
+        return cls(cfg, geometry, cache_fingerprint(fingerprint, cfg.latent_format), events)
 
     async def start(self) -> None:
         if self.cfg.caching:
@@ -46,7 +49,7 @@ class CacheLink:
         while self.store is None:
             try:
                 index = PrefixIndex(open_redis(self.cfg.redis_url, self.cfg.redis_cluster,
-                                               password=self.cfg.redis_password), self.cfg.index_prefix)
+                                               password=self.cfg.redis_password), self.cfg.index_prefix, self.events)
                 if not await index.ping():
                     raise ConnectionError(f"redis at {self.cfg.redis_url} does not answer")
                 self.store = await BlockStore.open(

@@ -37,9 +37,18 @@ class EngineConfig:
                 "DeepSeek, 1,152 in bf16; a cache of its own)"})
     volumes: list[str] = field(default_factory=list, metadata={
         "flag": "volume", "help": "a cache volume (directory or tensorstore kvstore spec); repeat per SSD"})
-    redis_url: str = field(default="", metadata={"help": "prefix index (with --volume); empty disables the cache"})
+    redis_url: str = field(default="", metadata={
+        "help": "Redis of the prefix index: the disk cache's with --volume; where KV events go (with or without "
+                "--volume, and beside --kvstore-url); empty: no disk cache without --kvstore-url, no KV events"})
     kvstore_url: str = field(default="", metadata={
         "help": "read and save through the kvstore service instead of mounting the volumes"})
+    kv_events: bool = field(default=True, metadata={
+        "help": "publish the blocks this engine holds (memory tier; disk with --volume) as KV events on the Redis "
+                "stream gateways route by (needs --redis-url)"})
+    kv_events_max_len: int = field(default=100_000, metadata={
+        "help": "entries the KV event stream keeps (MAXLEN ~; every publisher should use the same)"})
+    kv_events_lease_s: float = field(default=10.0, metadata={
+        "help": "seconds gateways keep this engine's blocks without a renewal of its lease (renewed every third)"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster"})
     index_prefix: str = field(default="dikv", metadata={"help": "key prefix of the prefix index"})
     budget_bytes: int = field(default=0, metadata={
@@ -98,6 +107,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.prefill_step_ratio > 0:
             raise ValueError(f"prefill_step_ratio must be > 0, got {self.prefill_step_ratio}")
+        if self.kv_events_max_len < 1:
+            raise ValueError(f"kv_events_max_len must be >= 1, got {self.kv_events_max_len}")
+        if not self.kv_events_lease_s > 0:
+            raise ValueError(f"kv_events_lease_s must be > 0, got {self.kv_events_lease_s}")
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.max_queue < 0:

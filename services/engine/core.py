@@ -35,6 +35,7 @@ from services.engine.step_cost import StepCost
 from services.engine.tiers import Tiers
 
 if TYPE_CHECKING:
+    from kvstore.kv_events import BlockEvents
     from model.grammar import GrammarState, TokenGrammar
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class TooLarge(ValueError):  # the request could never fit the engine's pool (th
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cache: CacheLink, metrics: EngineMetrics):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, cache: CacheLink, metrics: EngineMetrics,
+                 events: BlockEvents | None = None):
         platform = jax.default_backend()
         # The served model (model/serving.py) under the cache's fingerprint (the model's, or its fp8 format's: the
         # block hashes); the checkpoint's own projections are dropped with `loaded`.
@@ -65,7 +67,7 @@ class Engine:
             raise ValueError(f"the {backend.name} attention backend is not batch-invariant")
         self.runner = Runner(self.loaded.model, g, self.latents, backend, chunk_tokens=cfg.chunk_tokens,
                              fixed_batch=pow2(cfg.max_batch) if cfg.batch_invariant else 0)
-        self.blocks = BlockManager(num_pages, self.B, self.loaded.fingerprint, cfg.memory_tier)
+        self.blocks = BlockManager(num_pages, self.B, self.loaded.fingerprint, cfg.memory_tier, events)
         self.scheduler = Scheduler(self.blocks, SchedulePolicy(self.B, cfg.max_batch, cfg.step_tokens, cfg.solo_tokens,
                                                                cfg.batch_invariant, cfg.prefill_step_ratio),
                                    self.runner)
@@ -178,7 +180,7 @@ class Engine:
                          "bytes": self.latents.bytes, "owned_pages": b.owned_pages, "hot_pages": b.hot_pages,
                          "evictions": b.evictions},
                 "tenant_pages": b.tenant_pages(),
-                "hot_blocks": [h.hex() for h in b.held_hashes()]}  # for the gateway's cache-aware routing
+                "memory_blocks": b.held_blocks}  # which ones: the KV events (kvstore/kv_events.py)
 
     # -- the model thread --
 

@@ -50,6 +50,19 @@ class _CompileCollector:
         yield family
 
 
+class _KvEventsCollector:
+    def __init__(self, publisher) -> None:
+        self.publisher = publisher  # kvstore.kv_events.EventPublisher
+
+    def collect(self):
+        yield CounterMetricFamily("deepinfer_engine_kv_events_published",
+                                  "KV events appended to the Redis stream (announcements included)",
+                                  value=self.publisher.published)
+        yield CounterMetricFamily("deepinfer_engine_kv_events_dropped",
+                                  "KV events dropped because Redis did not take them (an announcement follows)",
+                                  value=self.publisher.dropped)
+
+
 class EngineMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -103,3 +116,7 @@ class EngineMetrics:
                                     "Pages of finished sequences kept as the memory tier", registry=r)
         compile_seconds()  # listens from now on
         r.register(_CompileCollector())
+
+    def count_kv_events(self, publisher) -> None:
+        """Exports `publisher`'s counts (a kvstore.kv_events.EventPublisher)."""
+        self.registry.register(_KvEventsCollector(publisher))

@@ -120,11 +120,21 @@ async def admin_stats(request: web.Request) -> web.Response:
     return web.json_response({
         "served_model": state.config.served_model,
         "in_flight": state.pool.in_flight(),
-        "engines": [engine.describe() for engine in state.pool.engines],
+        "engines": [engine.describe() | _memory_blocks(state, engine) for engine in state.pool.engines],
         "token_cache": state.token_cache.stats()._asdict(),
         "prefix_index": {"url_configured": bool(state.config.redis_url),
                          "ready": await state.lookup.ready()},
+        "kv_events": None if state.view is None else {
+            "loaded": state.view.loaded, "engines": state.view.engines, "blocks": state.view.blocks,
+            "resyncs": state.view.resyncs},
     })
+
+
+def _memory_blocks(state, engine) -> dict:
+    """The blocks the engine holds in memory as its KV events tell this gateway (a count, not the hashes)."""
+    if state.view is None or engine.stats is None:
+        return {}
+    return {"memory_blocks": state.view.held(engine.stats.engine_id)}
 
 
 def create_app(config: GatewayConfig) -> web.Application:

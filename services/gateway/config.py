@@ -36,6 +36,9 @@ class GatewayConfig:
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis "
                                                                  "Cluster node"})
     index_prefix: str = field(default="dikv", metadata={"help": "prefix index Redis key prefix"})
+    kv_events: bool = field(default=True, metadata={
+        "help": "route a request to the engine whose memory tier holds the longest run of its prompt's blocks, as "
+                "the engines' KV events on the Redis stream tell (needs --redis-url; off: least loaded only)"})
     served_model: str = field(default="deepseek-chat", metadata={
         "help": "the model name clients send and /v1/models lists"})
     reasoner_model: str = field(default="deepseek-reasoner", metadata={

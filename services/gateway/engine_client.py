@@ -47,7 +47,6 @@ class EngineStats(NamedTuple):
     max_context: int   # tokens, prompt + completion
     block_tokens: int  # tokens per cached block
     in_flight: int
-    hot_blocks: frozenset[bytes] = frozenset()  # block hashes the engine holds in its memory tier
     role: str = "both"  # prefill | decode | both (services/engine/config.py)
     engine_id: str = ""  # the engine process's id: its name in KV events
 
@@ -102,7 +101,6 @@ class EngineClient:
                            max_context=int(body["max_context"]),
                            block_tokens=int(body["block_tokens"]),
                            in_flight=int(body.get("in_flight", 0)),
-                           hot_blocks=frozenset(bytes.fromhex(h) for h in body.get("hot_blocks", ())),
                            role=str(body.get("role", "both")), engine_id=str(body.get("engine_id", "")))
 
     @asynccontextmanager

@@ -32,11 +32,8 @@ class EngineState:
     last_error: str = ""
 
     def describe(self) -> dict:
-        stats = None
-        if self.stats:
-            stats = self.stats._asdict() | {"hot_blocks": len(self.stats.hot_blocks)}  # a count, not the hashes
-        return {"url": self.client.url, "name": self.name, "routable": self.routable,
-                "in_flight": self.in_flight, "stats": stats, "last_error": self.last_error}
+        return {"url": self.client.url, "name": self.name, "routable": self.routable, "in_flight": self.in_flight,
+                "stats": self.stats._asdict() if self.stats else None, "last_error": self.last_error}
 
 
 class EnginePool:

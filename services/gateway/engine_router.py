@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import AsyncIterator, NamedTuple
 
 from kvstore.hashing import block_hashes
+from kvstore.kv_view import KvView
 from kvstore.location import Hit
 from services.gateway.engine_client import (DoneEvent, EngineEvent, EngineRejected, EngineStats,
                                             EngineUnavailable)
@@ -82,11 +83,13 @@ def _split(ranked: list[EngineState]) -> tuple[list[EngineState], list[EngineSta
 
 class EngineRouter:
     def __init__(self, pool: EnginePool, lookup: PrefixLookup, metrics: GatewayMetrics,
-                 default_max_tokens: int):
+                 default_max_tokens: int, view: KvView | None = None):
+        """`view`: what each engine holds in memory, from the KV events (None: least loaded only)."""
         self._pool = pool
         self._lookup = lookup
         self._metrics = metrics
         self._default_max_tokens = default_max_tokens
+        self._view = view
 
     @asynccontextmanager
     async def generation(self, job: GenerationJob) -> AsyncIterator[Generation]:
@@ -244,20 +247,18 @@ class EngineRouter:
 
     async def _prefer_hot(self, job: GenerationJob, ranked: list, prefixes: dict) -> list:
         """Cache-aware order: the engine holding the longest leading run of the prompt's blocks in its
-        memory tier goes first, unless it has HOT_ROUTE_SLACK more requests in flight than the least
-        loaded engine (then the prefix is worth less than the queue)."""
+        memory tier (as its KV events tell the view) goes first, unless it has HOT_ROUTE_SLACK more
+        requests in flight than the least loaded engine (then the prefix is worth less than the queue)."""
+        if self._view is None:
+            return ranked
         best, best_run = None, 0
         for engine in ranked:
-            if not engine.stats.hot_blocks:
+            if not self._view.held(engine.stats.engine_id):
                 continue
             key = (engine.stats.fingerprint, engine.stats.block_tokens)
             if key not in prefixes:
                 prefixes[key] = await self._hashes_and_hit(job, engine.stats)
-            run = 0
-            for block in prefixes[key][0]:
-                if block not in engine.stats.hot_blocks:
-                    break
-                run += 1
+            run = self._view.leading_run(engine.stats.engine_id, prefixes[key][0])
             if run > best_run:
                 best, best_run = engine, run
         if best is None or best is ranked[0] or best.in_flight - ranked[0].in_flight >= HOT_ROUTE_SLACK:

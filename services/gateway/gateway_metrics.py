@@ -3,6 +3,7 @@ several apps in one process)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TPOT_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -55,3 +56,27 @@ class GatewayMetrics:
         self.prefix_index_up = Gauge("gateway_prefix_index_up",
                                      "1 when the prefix index (Redis) answers, read at each scrape", registry=r)
         self.in_flight = Gauge("gateway_requests_in_flight", "Generations in progress", registry=r)
+
+    def count_kv_view(self, view) -> None:
+        """Exports what `view` (a kvstore.kv_view.KvView) applied and holds."""
+        self.registry.register(_KvViewCollector(view))
+
+
+class _KvViewCollector:
+    def __init__(self, view) -> None:
+        self.view = view
+
+    def collect(self):
+        applied = CounterMetricFamily("gateway_kv_events_applied", "KV events applied to the routing view, by "
+                                      "event and medium", labels=["event", "medium"])
+        for (event, medium), count in sorted(self.view.applied.items()):
+            applied.add_metric([event, medium], count)
+        yield applied
+        yield CounterMetricFamily("gateway_kv_events_malformed", "KV event stream entries skipped as malformed",
+                                  value=self.view.malformed)
+        yield CounterMetricFamily("gateway_kv_resyncs", "Requests to every engine to announce its whole memory set",
+                                  value=self.view.resyncs)
+        yield GaugeMetricFamily("gateway_kv_view_engines", "Engines in the routing view (lease held)",
+                                value=self.view.engines)
+        yield GaugeMetricFamily("gateway_kv_view_blocks", "Blocks the routing view holds, summed over engines",
+                                value=self.view.blocks)

@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from kvstore.index import PrefixIndex, open_redis
+from kvstore.kv_view import KvView
 from model.tokenizer_files import model_tokenizer_json
 from services.gateway.config import GatewayConfig, api_keys
 from services.gateway.engine_client import EngineClient
@@ -41,6 +42,7 @@ class GatewayState:
     pool: EnginePool | None = None
     lookup: PrefixLookup | None = None
     router: EngineRouter | None = None
+    view: KvView | None = None  # what each engine holds in memory, from the KV events
 
     @classmethod
     def build(cls, config: GatewayConfig) -> "GatewayState":
@@ -68,13 +70,19 @@ class GatewayState:
             index = PrefixIndex(self.redis, config.index_prefix)
         self.lookup = PrefixLookup(index, config.lookup_timeout_s, self.metrics, config.admit_after,
                                    config.admit_window_s)
-        self.router = EngineRouter(self.pool, self.lookup, self.metrics, config.default_max_tokens)
+        if self.redis is not None and config.kv_events:
+            self.view = KvView(self.redis, config.index_prefix)
+            self.metrics.count_kv_view(self.view)
+            self.view.start()
+        self.router = EngineRouter(self.pool, self.lookup, self.metrics, config.default_max_tokens, self.view)
         await self.pool.start()
         log.info("gateway ready on %s:%d; engines %s (%d address(es)); prefix index %s", config.host,
                  config.port, list(config.engines) or "none", len(self.pool.engines),
                  config.redis_url or "disabled")
 
     async def stop(self, _app: web.Application | None = None) -> None:
+        if self.view is not None:
+            await self.view.stop()
         if self.pool is not None:
             await self.pool.stop()
         if self.session is not None:

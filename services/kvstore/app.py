@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import msgpack
 from aiohttp import web
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from kvstore import BlockStore, PrefixIndex, SegmentWriteError, open_redis
+from kvstore.kv_events import EventPublisher
 from kvstore.location import SEGMENT_ID
 from kvstore.reconcile import Reconciler
 from kvstore.quota import GiB, parse_quotas
@@ -83,7 +85,12 @@ def create_app(config: KvstoreConfig) -> web.Application:
 async def _store_lifecycle(app: web.Application):
     config = app[CONFIG]
     redis = open_redis(config.redis_url, cluster=config.redis_cluster, password=config.redis_password)
-    index = PrefixIndex(redis, config.index_prefix)
+    events = None
+    if config.kv_events:  # the disk medium's events: this service's own saves, evictions, sweeps and purges
+        events = EventPublisher(redis, config.index_prefix, f"kvstore-{uuid.uuid4().hex}", config.block_tokens,
+                                config.kv_events_max_len)
+        events.start()
+    index = PrefixIndex(redis, config.index_prefix, events)
     store = await BlockStore.open(
         config.volumes, config.geometry, config.cache_fingerprint, index, mac_key=config.mac_key,
         threads=config.io_threads,
@@ -98,7 +105,7 @@ async def _store_lifecycle(app: web.Application):
     quotas = asyncio.create_task(_publish_quotas(store, config))
     app[STORE] = store
     app[RECONCILER] = reconciler
-    app[COLLECTOR] = StoreCollector(store, reconciler)
+    app[COLLECTOR] = StoreCollector(store, reconciler, events)
     app[REGISTRY].register(app[COLLECTOR])
     log.info("kvstore serving %s (%s latents) on %d volumes", store.fingerprint, config.latent_format,
              len(store.volumes))
@@ -106,6 +113,8 @@ async def _store_lifecycle(app: web.Application):
     quotas.cancel()
     await reconciler.stop()
     await store.close()
+    if events is not None:
+        await events.close()
     await redis.aclose()
 
 

@@ -29,6 +29,11 @@ class KvstoreConfig:
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "prefix index Redis URL"})
     redis_cluster: bool = field(default=False, metadata={"help": "the Redis URL is a Redis Cluster node"})
     index_prefix: str = field(default="dikv", metadata={"help": "Redis key prefix"})
+    kv_events: bool = field(default=True, metadata={
+        "help": "publish the blocks that enter and leave the index (saves, evictions, expiry sweeps, purges) as KV "
+                "events of medium disk on the engines' Redis stream"})
+    kv_events_max_len: int = field(default=100_000, metadata={
+        "help": "entries the KV event stream keeps (MAXLEN ~; the engines' --kv-events-max-len)"})
     admin_token: str = secret_field("bearer token for /admin/* (empty: admin off)")
     service_token: str = secret_field("bearer token every data endpoint needs (empty: all closed)")
     mac_key: str = secret_field("key of the segments' block MACs (empty: saves refused, reads are misses)")
@@ -57,6 +62,8 @@ class KvstoreConfig:
             raise ValueError("at least one --volume (DEEPINFER_KVSTORE_VOLUMES) is required")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.kv_events_max_len < 1:
+            raise ValueError(f"--kv-events-max-len must be >= 1, got {self.kv_events_max_len}")
         if self.budget_gib < 0 or self.max_body_mib < 1:
             raise ValueError("--budget-gib must be >= 0 and --max-body-mib >= 1")
         if self.tenant_quota_gib < 0:

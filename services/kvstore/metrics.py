@@ -4,15 +4,18 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvstore import BlockStore
+from kvstore.kv_events import EventPublisher
 from kvstore.reconcile import OUTCOMES, Reconciler
 
 
 class StoreCollector:
     """Collects from `store.stats` at scrape time; `volume_used` is refreshed before each scrape."""
 
-    def __init__(self, store: BlockStore, reconciler: Reconciler | None = None) -> None:
+    def __init__(self, store: BlockStore, reconciler: Reconciler | None = None,
+                 events: EventPublisher | None = None) -> None:
         self.store = store
         self.reconciler = reconciler
+        self.events = events
         self.volume_used: dict[str, int] = {}
         self.tenant_used: dict[str, int] = {}
         self.quotas: tuple[int, dict[str, int]] = (0, {})
@@ -66,6 +69,11 @@ class StoreCollector:
             tenant_quota.add_metric([tenant], quotas.get(tenant, default))
         yield tenant_bytes
         yield tenant_quota
+        if self.events is not None:
+            yield CounterMetricFamily("kvstore_kv_events_published", "KV events (medium disk) appended to the stream",
+                                      value=self.events.published)
+            yield CounterMetricFamily("kvstore_kv_events_dropped", "KV events dropped because Redis did not take them",
+                                      value=self.events.dropped)
         if self.reconciler is not None:
             outcomes = CounterMetricFamily("kvstore_reconciled_segments",
                                            "segment objects examined by reconciliation, by outcome", labels=["outcome"])
