@@ -240,9 +240,9 @@ def split_notes(result: dict) -> list[str]:
         added = hand["split"][longest]["added_s"]
         moved = int(longest) * latent_bytes_per_token(result)
         notes.append(f"gap added: the gap between tokens 1 and 2 less the later gaps' median, fresh prompts, unpinned "
-                     f"stacks (undivided: one engine), medians of {hand['repeats']}; at {_tokens(longest)} the split "
-                     f"writes and reads {moved / 1e9:.2f} GB of latents in {added * 1000:.0f} ms"
-                     + (f" ({moved / 1e9 / added:.2f} GB/s)" if added > 0 else ""))
+                     f"stacks (undivided: one engine), medians of {hand['repeats']}; at {_tokens(longest)} the decode "
+                     f"engine reads {moved / 1e9:.2f} GB of latents (saved as they were prefilled) and the gap grows "
+                     f"{added * 1000:.0f} ms" + (f" ({moved / 1e9 / added:.2f} GB/s)" if added > 0 else ""))
     return notes
 
 
