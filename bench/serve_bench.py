@@ -136,7 +136,6 @@ class StackRun:
         self.url, self.probe = self.stack.gateway_url, EngineProbe(self.stack.engine_urls, self.stack.admin_token)
         if self.pin:
             say(f"engines pinned to cores {pin_engines(self.stack)}")
-        asyncio.run(all_routable(self.stack))  # a split stack splits from the first request on
         return self
 
     def __exit__(self, *exc) -> None:
@@ -156,21 +155,6 @@ def pin_engines(stack) -> list[int]:
             os.sched_setaffinity(int(task), {core})
         pinned.append(core)
     return pinned
-
-
-async def all_routable(stack, timeout_s: float = 120.0) -> None:
-    """Waits until the gateway routes to every engine of the stack."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {stack.admin_token}"}) as session:
-        while True:
-            async with session.get(stack.gateway_url + "/admin/stats") as reply:
-                engines = (await reply.json())["engines"]
-            if sum(e["routable"] for e in engines) == len(stack.engine_urls):
-                return
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the gateway routes to {sum(e['routable'] for e in engines)} of "
-                                 f"{len(stack.engine_urls)} engines after {timeout_s:.0f} s")
-            await asyncio.sleep(0.2)
 
 
 def ensure_model(args) -> Path:

@@ -250,7 +250,8 @@ class Stack:
                 if answer.error:
                     log.error("%s cannot serve: %s\n%s", name, answer.error, self.tail(name))
                     raise ServiceFailed(f"{name} cannot serve: {answer.error}; its log: {self.logs / (name + '.log')}")
-                if answer.ready:
+                # the gateway once it routes to every engine: a split stack splits from the first request on
+                if answer.ready and (name != "gateway" or routed_engines(url) == len(self.engine_urls)):
                     self.say(f"{name:9s} {url} ready")
                     del waiting[name]
             if time.monotonic() > deadline:
@@ -323,6 +324,15 @@ def probe(url: str, instance: str | None = None) -> Probe:
     except (ValueError, AttributeError):
         reported = None
     return Probe(ours and status == 200, ours, reported if isinstance(reported, str) else None)
+
+
+def routed_engines(gateway_url: str) -> int:
+    """How many engines the gateway routes to (its /readyz), 0 when it does not answer."""
+    try:
+        with urllib.request.urlopen(gateway_url + "/readyz", timeout=2) as response:
+            return int(json.loads(response.read()).get("engines_ready", 0))
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _ready(url: str, instance: str | None = None) -> bool:
